@@ -1,0 +1,21 @@
+"""magi-core: run torch.compile'd models whose weights live in host memory, on any accelerator."""
+
+from __future__ import annotations
+
+from magi_core.backend import Backend
+from magi_core.errors import BackendError, ConfigError, HostRegisterError, MagiError
+from magi_core.registry import get_backend, list_backends, use_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "ConfigError",
+    "HostRegisterError",
+    "MagiError",
+    "__version__",
+    "get_backend",
+    "list_backends",
+    "use_backend",
+]

@@ -1,0 +1,1 @@
+"""FX passes that make a graph traced on the host run on the accelerator, and split it into offload units."""

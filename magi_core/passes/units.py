@@ -1,0 +1,50 @@
+"""The result of the unit split: ordered offload units and their weight placeholders (no name parsing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """One weight graph input: its position among the graph's inputs, size and users."""
+
+    input_index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    users: tuple[int, ...]
+
+
+@dataclass
+class OffloadUnit:
+    """One unit of the split graph: a ``call_module`` node whose weights are its own placeholder args."""
+
+    index: int
+    attr: str
+    node: torch.fx.Node
+    module: torch.fx.GraphModule
+    weights: tuple[WeightSlot, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all weights this unit reads."""
+        return sum(w.nbytes for w in self.weights)
+
+
+@dataclass
+class SplitGraph:
+    """A split graph: top-level module (placeholders, unit calls, getitems, output) plus unit metadata."""
+
+    graph_module: torch.fx.GraphModule
+    units: list[OffloadUnit]
+    weights: dict[int, WeightSlot] = field(default_factory=dict)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all distinct weights."""
+        return sum(w.nbytes for w in self.weights.values())

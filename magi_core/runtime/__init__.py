@@ -1,0 +1,1 @@
+"""The offload runtime: configuration, schedulers, profiler, executor and the torch.compile backend."""

@@ -1,0 +1,1 @@
+"""Test kit for backend authors: a pytest plugin (``--magi-backend``) and a conformance suite."""
