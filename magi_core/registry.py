@@ -1,11 +1,18 @@
-"""Backend discovery (entry points ``magi.backends``), selection and the active :class:`Backend` facade."""
+"""Backend discovery (entry points ``magi.backends``), selection and the active :class:`Backend` facade.
+
+Every backend, magi-core's own CPU backend included, is found through the ``magi.backends``
+entry-point group and loaded lazily (on the first :func:`get_backend` / :func:`list_backends`).
+Each backend gets its own pluggy ``PluginManager``, so a hook call reaches that backend only and a
+broken backend cannot disturb another. Selection order: :func:`use_backend` > ``MAGI_BACKEND`` >
+the highest-priority available probe. Core code talks to the device through :func:`get_backend`.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,18 +24,41 @@ from magi_core import hookspecs
 from magi_core.backend import Backend
 from magi_core.errors import BackendError
 from magi_core.hookspecs import HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
+from magi_core.plugin import ENTRY_POINT_GROUP
 
 logger = logging.getLogger(__name__)
 
-from magi_core.plugin import ENTRY_POINT_GROUP
+#: Environment variable naming the backend to use (beaten only by :func:`use_backend`).
 ENV_BACKEND = "MAGI_BACKEND"
+#: Environment variable that, when set to anything but ``""`` or ``"0"``, logs every hook call.
 ENV_TRACE = "MAGI_TRACE_HOOKS"
+#: Hooks a backend may leave out; the facade then uses the documented default.
 OPTIONAL_HOOKS = ("magi_range_push", "magi_range_pop", "magi_to_method_aliases")
+#: Hooks a backend may implement, required first.
+ALL_HOOKS = REQUIRED_HOOKS + OPTIONAL_HOOKS
+#: Attributes the device module must have (torch-style device module).
+DEVICE_MODULE_ATTRS = ("Stream", "Event", "current_stream", "stream", "synchronize")
+#: How a backend was selected.
+SELECTED_BY = ("explicit", "env", "probe")
 
 
 def package_hint(device_type: str) -> str:
     """The pip package that conventionally serves ``device_type``."""
     return f"magi-backend-{device_type}"
+
+
+def spec_major(version: str) -> str:
+    """The major part of a hook-spec version string (``"1.2"`` -> ``"1"``)."""
+    return str(version).strip().split(".")[0]
+
+
+def tracing_enabled() -> bool:
+    """True when ``MAGI_TRACE_HOOKS`` asks for every hook call to be logged."""
+    return os.environ.get(ENV_TRACE, "").strip() not in ("", "0")
+
+
+def _describe_exception(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
 
 
 @dataclass
@@ -46,42 +76,185 @@ class BackendRecord:
     spec_versions: tuple[str, ...] = ()
     missing_required: tuple[str, ...] = ()
     missing_optional: tuple[str, ...] = ()
+    unknown_hooks: tuple[str, ...] = ()
     callers: dict[str, Any] = field(default_factory=dict, repr=False)
+    manager: pluggy.PluginManager | None = field(default=None, repr=False)
 
     @property
-    def available(self) -> bool:
-        """True when the backend loaded, probed without error and reports its hardware present."""
-        return self.problem is None and self.probe is not None and self.probe.available
+    def spec_compatible(self) -> bool:
+        """True when the backend supports this magi-core's hook-spec major version."""
+        return spec_major(HOOKSPEC_VERSION) in {spec_major(v) for v in self.spec_versions}
 
     @property
     def problem(self) -> str | None:
-        """Why this backend cannot be used at all (load, probe, hooks or version), or None."""
+        """Why this backend cannot be used at all (load, hooks, version or probe), or None."""
         if self.load_error is not None:
-            return f"import failed: {type(self.load_error).__name__}: {self.load_error}"
+            return f"failed to load: {_describe_exception(self.load_error)}"
         if self.missing_required:
-            return f"missing required hook(s): {', '.join(self.missing_required)}"
-        if self.probe_error is not None:
-            return f"probe raised {type(self.probe_error).__name__}: {self.probe_error}"
-        major = HOOKSPEC_VERSION.split(".")[0]
-        if major not in self.spec_versions:
             return (
-                f"supports hook-spec version(s) {', '.join(self.spec_versions) or 'none'} but magi-core "
-                f"publishes {HOOKSPEC_VERSION}; install a {self.package} release for spec {major}"
-                " or a magi-core matching the backend"
+                f"missing required hook(s) {', '.join(self.missing_required)}; "
+                f"implement them with @magi_core.plugin.hookimpl (see CONTRIBUTING.md, hook reference)"
             )
+        if not self.spec_compatible:
+            major = spec_major(HOOKSPEC_VERSION)
+            return (
+                f"incompatible hook-spec version: {self.package} {self.package_version} supports "
+                f"{', '.join(self.spec_versions) or 'no version'}, magi-core publishes {HOOKSPEC_VERSION}; "
+                f"install a {self.package} release that supports spec {major}, or a magi-core matching the backend"
+            )
+        if self.probe_error is not None:
+            return f"probe raised {_describe_exception(self.probe_error)}"
         return None
+
+    @property
+    def available(self) -> bool:
+        """True when the backend loaded, is compatible, probed without error and reports its hardware present."""
+        return self.problem is None and self.probe is not None and self.probe.available
 
     @property
     def why_unavailable(self) -> str | None:
         """Human-readable reason this backend is not available, or None when it is."""
         if self.problem is not None:
             return self.problem
-        assert self.probe is not None
+        if self.probe is None:
+            return "not probed"
         return None if self.probe.available else (self.probe.reason or "probe reported unavailable")
 
+    @property
+    def device_type(self) -> str | None:
+        """The device type the probe reported, or None when the backend could not be probed."""
+        return self.probe.device_type if self.probe is not None else None
+
+    def serves(self, device_type: str) -> bool:
+        """True when this backend drives ``device_type`` (by probe, or by name when it could not be probed)."""
+        return self.device_type == device_type if self.probe is not None else self.name == device_type
+
     def call(self, hook: str, **kwargs: Any) -> Any:
-        """Call ``hook`` on this backend only."""
-        return self.callers[hook](**kwargs)
+        """Call ``hook`` on this backend only (raises :class:`BackendError` when it does not implement it)."""
+        try:
+            caller = self.callers[hook]
+        except KeyError:
+            raise BackendError(
+                f"backend {self.name!r} ({self.package}) does not implement hook {hook!r}"
+                + (f"; it cannot be used: {self.problem}" if self.problem else "")
+            ) from None
+        return caller(**kwargs)
+
+    def to_dict(self, selected: bool = False) -> dict[str, Any]:
+        """A JSON-ready description of this backend (what ``magi backends --json`` prints)."""
+        return {
+            "name": self.name,
+            "entry_point": self.entry_point,
+            "package": self.package,
+            "package_version": self.package_version,
+            "version": self.probe.version if self.probe is not None else None,
+            "device_type": self.device_type,
+            "priority": self.probe.priority if self.probe is not None else None,
+            "available": self.available,
+            "why_unavailable": self.why_unavailable,
+            "load_error": _describe_exception(self.load_error) if self.load_error is not None else None,
+            "probe_error": _describe_exception(self.probe_error) if self.probe_error is not None else None,
+            "hookspec_versions": list(self.spec_versions),
+            "missing_required_hooks": list(self.missing_required),
+            "missing_optional_hooks": list(self.missing_optional),
+            "unknown_hooks": list(self.unknown_hooks),
+            "selected": selected,
+        }
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which backend would be (or is) selected and why, or the error that prevents selection."""
+
+    name: str | None
+    selected_by: str | None
+    error: str | None = None
+
+
+def _make_manager(name: str) -> pluggy.PluginManager:
+    """A plugin manager holding the hook specs, with hook tracing when ``MAGI_TRACE_HOOKS`` asks for it."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    if tracing_enabled():
+        pm.trace.root.setwriter(lambda msg: logger.info("hook trace [%s] %s", name, msg.rstrip()))
+        pm.enable_tracing()
+    return pm
+
+
+def _load(rec: BackendRecord, ep: importlib_metadata.EntryPoint) -> None:
+    """Import the entry point and register it in its own plugin manager; errors go to ``rec.load_error``."""
+    try:
+        plugin = ep.load()
+    except Exception as exc:  # reported in the listing and the log, never swallowed silently
+        rec.load_error = exc
+        logger.error("magi backend %r (%s): import of %s failed: %s", rec.name, rec.package, ep.value,
+                     _describe_exception(exc))
+        return
+    pm = _make_manager(rec.name)
+    try:
+        pm.register(plugin, name=rec.name)
+    except pluggy.PluginValidationError as exc:
+        rec.load_error = BackendError(
+            f"a hook implementation does not match magi-core's hook spec {HOOKSPEC_VERSION}: {exc}; "
+            "fix its signature (see CONTRIBUTING.md, hook reference)"
+        )
+        logger.error("magi backend %r (%s) rejected by hook validation: %s", rec.name, rec.package, exc)
+        return
+    except Exception as exc:
+        rec.load_error = exc
+        logger.error("magi backend %r (%s) could not be registered: %s", rec.name, rec.package,
+                     _describe_exception(exc))
+        return
+    rec.plugin, rec.manager = plugin, pm
+    implemented = {h for h in ALL_HOOKS if getattr(pm.hook, h).get_hookimpls()}
+    rec.missing_required = tuple(h for h in REQUIRED_HOOKS if h not in implemented)
+    rec.missing_optional = tuple(h for h in OPTIONAL_HOOKS if h not in implemented)
+    rec.unknown_hooks = tuple(sorted(
+        hc.name for hc in pm.get_hookcallers(plugin) or () if not hc.has_spec()
+    ))
+    rec.callers = {h: getattr(pm.hook, h) for h in implemented}
+    if rec.missing_required:
+        logger.error("magi backend %r (%s) is missing required hook(s) %s", rec.name, rec.package,
+                     ", ".join(rec.missing_required))
+    if rec.unknown_hooks:
+        logger.warning("magi backend %r (%s) implements hook(s) magi-core does not know: %s (typo, or a "
+                       "newer hook spec than %s?)", rec.name, rec.package, ", ".join(rec.unknown_hooks),
+                       HOOKSPEC_VERSION)
+
+
+def _probe(rec: BackendRecord) -> None:
+    """Ask the backend for its spec versions and, when compatible, its probe; errors go to the record."""
+    if rec.load_error is not None or rec.missing_required:
+        return
+    try:
+        versions = rec.call("magi_hookspec_versions")
+        if isinstance(versions, str) or versions is None:
+            raise TypeError(f"magi_hookspec_versions returned {versions!r}, expected a sequence like ('1',)")
+        rec.spec_versions = tuple(str(v) for v in versions)
+    except Exception as exc:
+        rec.probe_error = exc
+        logger.error("magi backend %r (%s): magi_hookspec_versions raised %s", rec.name, rec.package,
+                     _describe_exception(exc))
+        return
+    if not rec.spec_compatible:
+        logger.error("magi backend %r refused: %s", rec.name, rec.problem)
+        return
+    try:
+        probe = rec.call("magi_probe")
+        if not isinstance(probe, ProbeResult):
+            raise TypeError(f"magi_probe returned {type(probe).__name__}, expected magi_core.plugin.ProbeResult")
+        rec.probe = probe
+    except Exception as exc:
+        rec.probe_error = exc
+        logger.error("magi backend %r (%s) probe raised %s", rec.name, rec.package, _describe_exception(exc))
+
+
+def available_accelerator() -> str | None:
+    """The device type of the accelerator torch was built for and sees at run time, or None."""
+    accel = torch.accelerator.current_accelerator(check_available=False)
+    if accel is None:
+        return None
+    return accel.type if torch.accelerator.current_accelerator(check_available=True) is not None else None
 
 
 class Registry:
@@ -89,22 +262,12 @@ class Registry:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._pm: pluggy.PluginManager | None = None
         self._records: dict[str, BackendRecord] | None = None
         self._explicit: str | None = None
         self._active: Backend | None = None
+        self._logged_cpu = False
 
     # -- discovery -----------------------------------------------------------------------------
-    def _manager(self) -> pluggy.PluginManager:
-        if self._pm is None:
-            pm = pluggy.PluginManager(hookspecs.PROJECT)
-            pm.add_hookspecs(hookspecs)
-            if os.environ.get(ENV_TRACE, "") not in ("", "0"):
-                pm.trace.root.setwriter(lambda msg: logger.info("hook %s", msg.rstrip()))
-                pm.enable_tracing()
-            self._pm = pm
-        return self._pm
-
     def records(self) -> dict[str, BackendRecord]:
         """Every backend found under the ``magi.backends`` entry-point group, loaded and probed once."""
         with self._lock:
@@ -112,107 +275,111 @@ class Registry:
                 self._records = self._discover()
             return self._records
 
-    def _discover(self) -> dict[str, BackendRecord]:
-        pm = self._manager()
+    @staticmethod
+    def _discover() -> dict[str, BackendRecord]:
         records: dict[str, BackendRecord] = {}
         for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
             dist = ep.dist
             rec = BackendRecord(
                 name=ep.name,
                 entry_point=ep.value,
-                package=dist.metadata["Name"] if dist is not None else "?",
+                package=(dist.metadata["Name"] or "?") if dist is not None else "?",
                 package_version=dist.version if dist is not None else "?",
             )
-            if ep.name in records:
-                if records[ep.name].entry_point == ep.value:
-                    continue
-                raise BackendError(
-                    f"two packages register the backend name {ep.name!r}: {records[ep.name].package} "
-                    f"({records[ep.name].entry_point}) and {rec.package} ({ep.value}); uninstall one"
+            prev = records.get(ep.name)
+            if prev is not None:
+                if prev.entry_point == ep.value:
+                    continue  # the same distribution seen twice on sys.path
+                prev.load_error = BackendError(
+                    f"two packages register the backend name {ep.name!r}: {prev.package} ({prev.entry_point}) "
+                    f"and {rec.package} ({ep.value}); uninstall one of them"
                 )
-            records[ep.name] = rec
-            try:
-                rec.plugin = ep.load()
-                pm.register(rec.plugin, name=ep.name)
-            except Exception as exc:  # reported in the listing and the log, never swallowed silently
-                rec.load_error = exc
-                logger.error("magi backend %r (%s) failed to load: %s", ep.name, rec.package, exc)
+                prev.callers, prev.probe = {}, None
+                logger.error("%s", prev.load_error)
                 continue
-        for rec in records.values():
-            if rec.plugin is not None:
-                self._bind(pm, rec, [r.plugin for r in records.values() if r is not rec and r.plugin is not None])
+            records[ep.name] = rec
+            _load(rec, ep)
+            _probe(rec)
         return records
-
-    def _bind(self, pm: pluggy.PluginManager, rec: BackendRecord, others: Sequence[Any]) -> None:
-        implemented = {
-            hook for hook in REQUIRED_HOOKS + OPTIONAL_HOOKS
-            if any(impl.plugin is rec.plugin for impl in getattr(pm.hook, hook).get_hookimpls())
-        }
-        rec.missing_required = tuple(h for h in REQUIRED_HOOKS if h not in implemented)
-        rec.missing_optional = tuple(h for h in OPTIONAL_HOOKS if h not in implemented)
-        rec.callers = {h: pm.subset_hook_caller(h, remove_plugins=others) for h in implemented}
-        if rec.missing_required:
-            logger.error("magi backend %r is missing required hook(s) %s", rec.name, rec.missing_required)
-            return
-        try:
-            rec.spec_versions = tuple(str(v) for v in rec.call("magi_hookspec_versions"))
-            probe = rec.call("magi_probe")
-            if not isinstance(probe, ProbeResult):
-                raise TypeError(f"magi_probe returned {type(probe).__name__}, expected ProbeResult")
-            rec.probe = probe
-        except Exception as exc:
-            rec.probe_error = exc
-            logger.error("magi backend %r (%s) probe raised: %r", rec.name, rec.package, exc)
 
     # -- selection -----------------------------------------------------------------------------
     def use(self, name: str | None) -> Backend | None:
         """Select backend ``name`` explicitly (None returns to automatic selection)."""
         with self._lock:
-            self._explicit = name
-            self._active = None
-            return self.active() if name is not None else None
+            previous, explicit = self._active, self._explicit
+            self._explicit, self._active = name, None
+            if name is None:
+                return None
+            try:
+                backend = self.active()
+            except BaseException:
+                self._explicit, self._active = explicit, previous
+                raise
+            if previous is not None and previous.name != backend.name:
+                logger.warning("magi backend switched from %r to %r; objects created with %r keep using it",
+                               previous.name, backend.name, previous.name)
+            return backend
 
     def choose(self) -> tuple[BackendRecord, str]:
-        """Pick the backend record and say why: ``explicit``, ``env`` or ``probe``."""
-        records = self.records()
-        wanted, how = self._explicit, "explicit"
-        if wanted is None and os.environ.get(ENV_BACKEND):
-            wanted, how = os.environ[ENV_BACKEND], "env"
-        if wanted is not None:
+        """Pick the backend record and say why: ``explicit``, ``env`` or ``probe`` (raises :class:`BackendError`)."""
+        with self._lock:
+            records = self.records()
+            wanted, how = self._explicit, "explicit"
+            if wanted is None and os.environ.get(ENV_BACKEND, "").strip():
+                wanted, how = os.environ[ENV_BACKEND].strip(), "env"
+            if wanted is None:
+                return self._choose_by_probe(records), "probe"
+            source = f"{ENV_BACKEND}={wanted}" if how == "env" else f"use_backend({wanted!r})"
             rec = records.get(wanted)
             if rec is None:
                 raise BackendError(
-                    f"magi backend {wanted!r} ({how}) is not installed; installed: "
-                    f"{', '.join(sorted(records)) or 'none'}. Install {package_hint(wanted)} or pick one of those"
-                    + (f" (unset {ENV_BACKEND})" if how == "env" else "")
+                    f"magi backend {wanted!r} (asked for by {source}) is not installed; installed: "
+                    f"{', '.join(sorted(records)) or 'none'}. Pick one of those"
+                    + (f" or unset {ENV_BACKEND}" if how == "env" else "")
+                    + f", or install {package_hint(wanted)}"
                 )
             if not rec.available:
-                raise BackendError(f"magi backend {wanted!r} ({how}) cannot be used: {rec.why_unavailable}")
+                raise BackendError(
+                    f"magi backend {wanted!r} ({rec.package}, asked for by {source}) cannot be used: "
+                    f"{rec.why_unavailable}"
+                )
             return rec, how
-        return self._choose_by_probe(records), "probe"
 
     def _choose_by_probe(self, records: dict[str, BackendRecord]) -> BackendRecord:
         for rec in records.values():
             if rec.problem is not None:
-                logger.warning("magi backend %r skipped: %s", rec.name, rec.problem)
+                logger.warning("magi backend %r (%s) skipped: %s", rec.name, rec.package, rec.problem)
         usable = [r for r in records.values() if r.available]
-        accel = torch.accelerator.current_accelerator(check_available=False)
-        if accel is not None:
-            serving = [r for r in usable if r.probe is not None and r.probe.device_type == accel.type]
-            if serving:
-                return self._top(serving)
-            if not any(r.probe is not None and r.probe.device_type == accel.type for r in records.values()):
-                if torch.accelerator.current_accelerator(check_available=True) is not None:
-                    raise BackendError(
-                        f"torch reports a {accel.type!r} accelerator but no installed magi backend serves it: "
-                        f"pip install {package_hint(accel.type)} (installed: {', '.join(sorted(records)) or 'none'})"
-                    )
-        if not usable:
+        top = self._top(usable) if usable else None
+        if top is None or top.device_type == "cpu":
+            accel = available_accelerator()
+            if accel is not None and accel != "cpu":
+                self._no_server(accel, records)
+        if top is None:
             raise BackendError(
-                "no magi backend is available; install magi-core (it ships the 'cpu' backend) or a backend "
-                "package, and run `magi backends` to see why each one was refused"
+                "no magi backend is available (installed: "
+                + (", ".join(f"{r.name}: {r.why_unavailable}" for r in records.values()) or "none")
+                + "); reinstall magi-core (it ships the 'cpu' backend) or install a backend package, and run "
+                "`magi backends` to see why each one was refused"
             )
-        return self._top(usable)
+        return top
+
+    @staticmethod
+    def _no_server(accel: str, records: dict[str, BackendRecord]) -> None:
+        """Raise: torch sees an ``accel`` accelerator but no usable backend drives it."""
+        servers = [r for r in records.values() if r.serves(accel)]
+        installed = ", ".join(sorted(records)) or "none"
+        if servers:
+            raise BackendError(
+                f"torch reports a {accel!r} accelerator but the magi backend(s) for it cannot be used: "
+                + "; ".join(f"{r.name!r} ({r.package}): {r.why_unavailable}" for r in servers)
+                + f". Fix that, or run on the host on purpose with {ENV_BACKEND}=cpu"
+            )
+        raise BackendError(
+            f"torch reports a {accel!r} accelerator but no installed magi backend serves it "
+            f"(installed: {installed}): pip install {package_hint(accel)}; or run on the host on purpose "
+            f"with {ENV_BACKEND}=cpu"
+        )
 
     @staticmethod
     def _top(candidates: list[BackendRecord]) -> BackendRecord:
@@ -224,11 +391,22 @@ class Registry:
         top = [r for r in candidates if prio(r) == best]
         if len(top) > 1:
             raise BackendError(
-                "backends with equal priority %d are both available: %s; choose one with "
-                "magi_core.use_backend(NAME) or %s=NAME, or uninstall one"
-                % (best, " and ".join(f"{r.name!r} ({r.package})" for r in top), ENV_BACKEND)
+                f"backends with equal priority {best} are all available: "
+                + " and ".join(f"{r.name!r} ({r.package} {r.package_version})" for r in top)
+                + f"; choose one with magi_core.use_backend(NAME) or {ENV_BACKEND}=NAME, or uninstall one"
             )
         return top[0]
+
+    def selection(self) -> Selection:
+        """Which backend :meth:`choose` picks and why, or the error it raises, without building the facade."""
+        with self._lock:
+            if self._active is not None:
+                return Selection(name=self._active.name, selected_by=self._active.selected_by)
+        try:
+            rec, how = self.choose()
+        except BackendError as exc:
+            return Selection(name=None, selected_by=None, error=str(exc))
+        return Selection(name=rec.name, selected_by=how)
 
     def active(self) -> Backend:
         """The selected backend's facade, built once."""
@@ -236,21 +414,43 @@ class Registry:
             if self._active is None:
                 rec, how = self.choose()
                 self._active = self._facade(rec, how)
-                level = logging.INFO if rec.name != "cpu" or how != "probe" else logging.WARNING
-                logger.log(level, "magi-core uses backend %r (%s, selected by %s)", rec.name, rec.package, how)
+                if rec.device_type == "cpu" and how == "probe":
+                    if not self._logged_cpu:
+                        self._logged_cpu = True
+                        logger.warning(
+                            "magi-core runs on the CPU backend: torch reports no accelerator "
+                            "(install a backend package such as %s to use one)", package_hint("<device>"),
+                        )
+                else:
+                    logger.info("magi-core uses backend %r (%s %s, selected by %s)", rec.name, rec.package,
+                                rec.package_version, how)
             return self._active
 
     @staticmethod
     def _facade(rec: BackendRecord, how: str) -> Backend:
         assert rec.probe is not None
-        aliases = tuple(rec.call("magi_to_method_aliases") or ("to",)) if "magi_to_method_aliases" in rec.callers \
-            else ("to",)
+        try:
+            raw_aliases = rec.call("magi_to_method_aliases") if "magi_to_method_aliases" in rec.callers else None
+            aliases = tuple(raw_aliases) if raw_aliases else ("to",)
+            module = rec.call("magi_device_module")
+        except Exception as exc:
+            raise BackendError(
+                f"backend {rec.name!r} ({rec.package}) failed while building the facade: {_describe_exception(exc)}"
+            ) from exc
         if "to" not in aliases:
             raise BackendError(f"backend {rec.name!r}: magi_to_method_aliases must include 'to', got {aliases}")
+        missing = [a for a in DEVICE_MODULE_ATTRS if not hasattr(module, a)]
+        if missing:
+            raise BackendError(
+                f"backend {rec.name!r} ({rec.package}): its device module {getattr(module, '__name__', module)!r} "
+                f"lacks {', '.join(missing)}; magi_device_module must return a torch-style device module"
+            )
         push = rec.callers.get("magi_range_push")
         pop = rec.callers.get("magi_range_pop")
         register = rec.callers["magi_host_register"]
         unregister = rec.callers["magi_host_unregister"]
+        range_push: Callable[[str], Any] | None = (lambda name: push(name=name)) if push is not None else None
+        range_pop: Callable[[], Any] | None = (lambda: pop()) if pop is not None else None
         return Backend(
             name=rec.name,
             package=rec.package,
@@ -258,18 +458,17 @@ class Registry:
             device_type=rec.probe.device_type,
             priority=rec.probe.priority,
             selected_by=how,
-            device_module=rec.call("magi_device_module"),
+            device_module=module,
             to_method_aliases=aliases,
             _register=lambda ptr, nbytes: register(ptr=ptr, nbytes=nbytes),
             _unregister=lambda ptr: unregister(ptr=ptr),
-            _range_push=(lambda name: push(name=name)) if push is not None else None,
-            _range_pop=(lambda: pop()) if pop is not None else None,
+            _range_push=range_push,
+            _range_pop=range_pop,
         )
 
     def reset(self) -> None:
         """Forget discovery and selection (tests, or after installing a backend at run time)."""
         with self._lock:
-            self._pm = None
             self._records = None
             self._explicit = None
             self._active = None
@@ -284,10 +483,33 @@ def get_backend() -> Backend:
 
 
 def use_backend(name: str | None) -> Backend | None:
-    """Select backend ``name`` for this process, overriding ``MAGI_BACKEND`` and probing."""
+    """Select backend ``name`` for this process, overriding ``MAGI_BACKEND`` and probing (None: automatic)."""
     return REGISTRY.use(name)
 
 
 def list_backends() -> list[BackendRecord]:
     """Every discovered backend record, sorted by name."""
-    return [REGISTRY.records()[k] for k in sorted(REGISTRY.records())]
+    records = REGISTRY.records()
+    return [records[k] for k in sorted(records)]
+
+
+def current_selection() -> Selection:
+    """Which backend is (or would be) selected and why, or the selection error, without raising."""
+    return REGISTRY.selection()
+
+
+__all__ = [
+    "ENV_BACKEND",
+    "ENV_TRACE",
+    "OPTIONAL_HOOKS",
+    "REGISTRY",
+    "BackendRecord",
+    "Registry",
+    "Selection",
+    "available_accelerator",
+    "current_selection",
+    "get_backend",
+    "list_backends",
+    "package_hint",
+    "use_backend",
+]
