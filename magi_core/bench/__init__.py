@@ -1,0 +1,105 @@
+"""``magi bench``: magi-core against resident execution and peer offloaders, with JSON results and targets.
+
+The CLI dispatches ``magi bench`` to :func:`add_arguments` and :func:`main`. Library use::
+
+    from magi_core.bench import BenchOptions, run_benchmark
+    doc = run_benchmark(BenchOptions(quick=True))
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from magi_core.bench.options import SYSTEMS, BenchOptions
+from magi_core.bench.runner import default_out_path, environment, run_benchmark
+from magi_core.errors import MagiError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BenchOptions", "add_arguments", "main", "options_from_args", "run_benchmark"]
+
+
+def _csv(kind: type) -> object:
+    def parse(text: str) -> tuple[object, ...]:
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``magi bench`` options to ``parser``."""
+    parser.add_argument("--models", type=_csv(str), default=("mlp", "transformer"),
+                        help="comma list of models: mlp,transformer (default both)")
+    parser.add_argument("--systems", type=_csv(str), default=SYSTEMS,
+                        help=f"comma list of systems (default all: {','.join(SYSTEMS)})")
+    parser.add_argument("--policies", type=_csv(str), default=("BASE", "COST_EFFECTIVE", "HEURISTIC"),
+                        help="magi-core policies (default all three)")
+    parser.add_argument("--ratios", type=_csv(float), default=(0.0, 0.25, 0.5),
+                        help="gpu_resident_weight_ratio values (default 0,0.25,0.5)")
+    parser.add_argument("--budgets", type=_csv(float), default=(0.5,),
+                        help="device-memory budgets as fractions of the weight bytes (default 0.5)")
+    parser.add_argument("--tokens", type=_csv(int), default=None,
+                        help="token counts (default 2048,16384 on accelerators, 16,64 on the cpu backend)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (>= 10; median)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up calls before timing (magi: at least its own)")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--quick", action="store_true", help="fewer blocks and one token count")
+    parser.add_argument("--mlp-hidden", type=int, default=None)
+    parser.add_argument("--mlp-layers", type=int, default=None)
+    parser.add_argument("--tf-hidden", type=int, default=None)
+    parser.add_argument("--tf-layers", type=int, default=None, help="transformer blocks (default 14: 6.8 GB)")
+    parser.add_argument("--tf-heads", type=int, default=None)
+    parser.add_argument("--probe-mb", type=int, default=None, help="H2D probe size in MiB (default 1024; cpu 16)")
+    parser.add_argument("--compile-on-cpu", action="store_true", help="run Inductor for resident compiled on cpu")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds after which remaining configurations are recorded as skipped")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result JSON (default benchmarks/results/<date>-<hardware>.json)")
+    parser.add_argument("--report", type=Path, default=None, metavar="MARKDOWN",
+                        help="also write the Markdown report (and a PNG plot next to it) from this run")
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    """Build :class:`BenchOptions` from parsed ``magi bench`` arguments."""
+    return BenchOptions(
+        models=tuple(args.models), systems=tuple(args.systems), policies=tuple(p.upper() for p in args.policies),
+        ratios=tuple(args.ratios), budgets=tuple(args.budgets), steps=args.steps, warmup=args.warmup,
+        dtype=args.dtype, quick=args.quick, tokens=tuple(args.tokens) if args.tokens else None,
+        mlp_hidden=args.mlp_hidden, mlp_layers=args.mlp_layers, tf_hidden=args.tf_hidden, tf_layers=args.tf_layers,
+        tf_heads=args.tf_heads, probe_bytes=args.probe_mb << 20 if args.probe_mb else None,
+        compile_on_cpu=args.compile_on_cpu, time_budget_s=args.time_budget, out=args.out,
+    )
+
+
+def _repo_root() -> Path:
+    here = Path(__file__).resolve().parents[2]
+    return here if (here / "benchmarks").is_dir() else Path.cwd()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``magi bench``; print a summary and where the JSON went. Returns the exit status."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from magi_core.bench import report
+    from magi_core.registry import get_backend
+
+    try:
+        options = options_from_args(args)
+        backend = get_backend()
+        if options.out is None:
+            from dataclasses import replace
+
+            options = replace(options, out=default_out_path(environment(backend), _repo_root()))
+        doc = run_benchmark(options, backend)
+    except MagiError as exc:
+        print(f"magi bench: {exc}", file=sys.stderr)
+        return 2
+    print(report.text_summary(doc))
+    print(f"results: {options.out}")
+    if args.report is not None:
+        report.write_report([doc], args.report)
+        print(f"report: {args.report}")
+    return 0

@@ -1,0 +1,164 @@
+"""Derived figures (ideal, ratios, copy rate, overhead) and the issue's targets, computed from a result document."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+#: Target limits from the benchmark issue.
+STEP_VS_IDEAL = 1.01
+BUDGET_VS_BEST_SPLIT = 1.03
+SPEEDUP_VS_DIFFUSERS = 1.8
+PINNED_OVER_WEIGHTS = 1.01
+HOST_OVERHEAD_US_PER_UNIT = 30.0
+PEERS = ("diffusers", "accelerate")
+
+
+def ok_runs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs that completed."""
+    return [r for r in doc["runs"] if r.get("status") == "ok"]
+
+
+def _groups(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["workload"], r["tokens"])].append(r)
+    return groups
+
+
+def _find(group: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    return next((r for r in group if r["system"] == kind), None)
+
+
+def derive(doc: dict[str, Any]) -> None:
+    """Add ideal_ms, ratio_to_ideal, speedup_vs peers, copy_GBps, pinned_over_weights and host overhead to each run."""
+    bw = float(doc["h2d_GBps"]) * 1e9
+    for (_, _), group in _groups(ok_runs(doc)).items():
+        resident = _find(group, "resident_compiled") or _find(group, "resident_eager")
+        peers = {k: r["step_ms"] for k in PEERS if (r := _find(group, k)) is not None}
+        for r in group:
+            weights = r["weight_bytes"]
+            streamed = r.get("streamed_bytes")
+            if streamed is None and r.get("ratio") is not None:
+                streamed = int(round((1.0 - r["ratio"]) * weights))
+                r["streamed_bytes_estimated"] = True
+            if streamed is not None:
+                r["streamed_bytes"] = streamed
+                r["copy_GBps"] = streamed / (r["step_ms"] / 1e3) / 1e9 if r["step_ms"] > 0 else None
+            if resident is not None and streamed is not None:
+                r["ideal_ms"] = max(resident["step_ms"], streamed / bw * 1e3)
+                r["ideal_basis"] = resident["system"]
+                r["ratio_to_ideal"] = r["step_ms"] / r["ideal_ms"]
+            r["speedup_vs"] = {k: v / r["step_ms"] for k, v in peers.items() if r["step_ms"] > 0}
+            if r.get("pinned_bytes") is not None:
+                r["pinned_over_weights"] = r["pinned_bytes"] / weights
+            if (r["system"] == "magi" and r.get("host_overhead_us_per_unit") is None and resident is not None
+                    and r.get("units")):
+                extra_ms = max(0.0, r["host_call_ms"] - resident["host_call_ms"])
+                r["host_overhead_us_per_unit"] = extra_ms * 1e3 / r["units"]
+                r["host_overhead_estimated"] = True
+
+
+def _target(name: str, scope: str, value: float | None, limit: float, upper: bool, unit: str = "",
+            note: str | None = None) -> dict[str, Any]:
+    if value is None:
+        return {"target": name, "scope": scope, "value": None, "limit": limit, "unit": unit, "status": "not measured",
+                "missed_by": None, "note": note}
+    met = value <= limit if upper else value >= limit
+    missed = None if met else ((value / limit - 1.0) if upper else (1.0 - value / limit))
+    return {"target": name, "scope": scope, "value": value, "limit": limit, "unit": unit,
+            "status": "met" if met else "missed", "missed_by": missed, "note": note}
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Evaluate every target of the issue on the document's runs (met, missed by how much, or not measured)."""
+    out: list[dict[str, Any]] = []
+    runs = ok_runs(doc)
+    magi = [r for r in runs if r["system"] == "magi"]
+    groups = _groups(runs)
+    all_groups = _groups(doc["runs"])
+    policies = sorted({r["policy"] for r in doc["runs"] if r["system"] == "magi"})
+    for wl, tokens in sorted(all_groups):
+        scope = f"{wl} {tokens} tok"
+        okg = groups.get((wl, tokens), [])
+        for pol in policies:
+            rs = [r for r in okg if r["system"] == "magi" and r["policy"] == pol and r.get("ratio_to_ideal")]
+            worst = max(rs, key=lambda r: r["ratio_to_ideal"]) if rs else None
+            out.append(_target("step <= 1.01x ideal", f"{scope}, {pol} (worst config)",
+                               worst["ratio_to_ideal"] if worst else None, STEP_VS_IDEAL, True, "x",
+                               worst["label"] if worst else "no completed run"))
+        eager = _find(okg, "resident_eager")
+        diff = _find(okg, "diffusers")
+        activations = max(0, eager["peak_alloc_bytes"] - eager["weight_bytes"]) if eager else None
+        block_bytes = doc["workloads"].get(wl, {}).get("block_bytes") or [0]
+        two_units = sum(sorted(block_bytes)[-2:])
+        for r in (r for r in okg if r["system"] == "magi" and r.get("ratio") == 0.0):
+            limit = two_units + activations if activations is not None else None
+            if limit is not None:
+                out.append(_target("peak at ratio 0 <= 2 largest units + activations", f"{scope}, {r['label']}",
+                                   float(r["peak_alloc_bytes"]), float(limit), True, "B",
+                                   f"activations from resident eager peak - weights = {activations} B"))
+            out.append(_target("peak at ratio 0 below diffusers", f"{scope}, {r['label']}",
+                               float(r["peak_alloc_bytes"]), float(diff["peak_alloc_bytes"]) if diff else 0.0, True,
+                               "B", None if diff else "diffusers did not run"))
+            if diff is None:
+                out[-1].update(status="not measured", value=None)
+        rs = [r for r in okg if r["system"] == "magi" and r.get("host_overhead_us_per_unit") is not None]
+        worst = max(rs, key=lambda r: r["host_overhead_us_per_unit"]) if rs else None
+        note = None
+        if worst is not None:
+            note = worst["label"] + (" (estimated: host call time minus the resident's)"
+                                     if worst.get("host_overhead_estimated") else "")
+        out.append(_target("host overhead <= 30 us/unit/step", f"{scope} (worst config)",
+                           worst["host_overhead_us_per_unit"] if worst else None, HOST_OVERHEAD_US_PER_UNIT, True,
+                           "us", note))
+    out += _budget_targets(doc, groups)
+    for wl in sorted({r["workload"] for r in doc["runs"]}):
+        rs = [r for r in magi if r["workload"] == wl and r.get("pinned_over_weights") is not None]
+        worst = max(rs, key=lambda r: r["pinned_over_weights"]) if rs else None
+        out.append(_target("host pinned bytes <= 1.01x weights", f"{wl} (worst config)",
+                           worst["pinned_over_weights"] if worst else None, PINNED_OVER_WEIGHTS, True, "x",
+                           worst["label"] if worst else "the runtime did not report pinned bytes"))
+        rs = [r for r in magi if r["workload"] == wl]
+        total = sum(int(r.get("recompiles", 0)) for r in rs) if rs else None
+        out.append(_target("zero recompiles after warm-up", f"{wl} (all magi configs)",
+                           float(total) if total is not None else None, 0.0, True, "",
+                           ", ".join(f"{r['label']} {r['tokens']}: {r['recompiles']}" for r in rs if r["recompiles"])
+                           or None))
+    return out
+
+
+def _budget_targets(doc: dict[str, Any], groups: dict[tuple[str, int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Half-budget targets at the smallest token count: vs the best fixed-ratio split, and vs diffusers."""
+    out: list[dict[str, Any]] = []
+    tokens_all = sorted({r["tokens"] for r in doc["runs"]})
+    if not tokens_all:
+        return out
+    tokens = tokens_all[0]
+    for wl in sorted({r["workload"] for r in doc["runs"]}):
+        okg = groups.get((wl, tokens), [])
+        budget = [r for r in okg if r["system"] == "magi" and r.get("budget_fraction") == 0.5]
+        splits = [r for r in okg if r["system"] == "magi" and r.get("ratio") is not None and r["ratio"] <= 0.5]
+        best = min(splits, key=lambda r: r["step_ms"]) if splits else None
+        diff = _find(okg, "diffusers")
+        if not budget:
+            out.append(_target("half budget <= 1.03x best hand-picked split", f"{wl} {tokens} tok", None,
+                               BUDGET_VS_BEST_SPLIT, True, "x", "no completed magi run with budget 0.5 W"))
+            continue
+        for r in budget:
+            scope = f"{wl} {tokens} tok, {r['label']}"
+            out.append(_target("half budget <= 1.03x best hand-picked split", scope,
+                               r["step_ms"] / best["step_ms"] if best else None, BUDGET_VS_BEST_SPLIT, True, "x",
+                               f"best split: {best['label']} {best['step_ms']:.3f} ms" if best else "no fixed split"))
+            out.append(_target("half budget >= 1.8x faster than diffusers", scope,
+                               diff["step_ms"] / r["step_ms"] if diff else None, SPEEDUP_VS_DIFFUSERS, False, "x",
+                               None if diff else "diffusers did not run"))
+    return out
+
+
+def finalize(doc: dict[str, Any]) -> dict[str, Any]:
+    """Derive per-run figures and evaluate targets in place; return the document."""
+    derive(doc)
+    doc["targets"] = targets(doc)
+    return doc

@@ -1,0 +1,137 @@
+"""Measurements through the backend facade: device-event step timing, pinned H2D probe, memory, recompiles."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from magi_core.backend import Backend
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Per-step device times (ms, from timing events) and host call times (ms) of the timed steps."""
+
+    device_ms: list[float]
+    host_ms: list[float]
+
+    @property
+    def median_ms(self) -> float:
+        """Median device step time."""
+        return statistics.median(self.device_ms)
+
+    @property
+    def host_median_ms(self) -> float:
+        """Median host time spent inside the call (launch and scheduling work)."""
+        return statistics.median(self.host_ms)
+
+
+def time_steps(backend: Backend, fn: Callable[[], Any], steps: int, warmup: int) -> tuple[StepTimes, Any]:
+    """Run ``fn`` ``warmup`` times, then ``steps`` back-to-back times between timing events; return times and output.
+
+    Steps are issued back to back (no synchronisation between them), as a model runs in steady state; each
+    step's device time is the elapsed time between events recorded on the current stream around it.
+    """
+    dm = backend.device_module
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    dm.synchronize()
+    starts = [dm.Event(enable_timing=True) for _ in range(steps)]
+    ends = [dm.Event(enable_timing=True) for _ in range(steps)]
+    host: list[float] = []
+    for s, e in zip(starts, ends, strict=True):
+        t0 = time.perf_counter()
+        s.record()
+        out = fn()
+        e.record()
+        host.append((time.perf_counter() - t0) * 1e3)
+    dm.synchronize()
+    return StepTimes([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], host), out
+
+
+def measure_h2d_gbps(backend: Backend, nbytes: int, iters: int = 8) -> float:
+    """Host-to-device bandwidth (GB/s) of ``nbytes`` copies from host memory registered in place by the backend."""
+    dm = backend.device_module
+    n = max(1, nbytes // 2)
+    src = torch.ones(n, dtype=torch.bfloat16)
+    dst = torch.empty(n, dtype=torch.bfloat16, device=backend.device())
+    backend.host_register(src.data_ptr(), n * 2)
+    try:
+        for _ in range(2):
+            dst.copy_(src, non_blocking=True)
+        dm.synchronize()
+        start, end = dm.Event(enable_timing=True), dm.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        dm.synchronize()
+        ms = max(start.elapsed_time(end), 1e-6) / iters
+    finally:
+        backend.host_unregister(src.data_ptr())
+    return n * 2 / (ms / 1e3) / 1e9
+
+
+def reset_peak(backend: Backend) -> None:
+    """Synchronise and reset the device's peak-memory counters."""
+    dm = backend.device_module
+    dm.synchronize()
+    dm.reset_peak_memory_stats()
+
+
+def peak_memory(backend: Backend) -> tuple[int, int]:
+    """Peak device bytes (allocated, reserved) since the last :func:`reset_peak`."""
+    dm = backend.device_module
+    return int(dm.max_memory_allocated()), int(dm.max_memory_reserved())
+
+
+def free_device_memory(backend: Backend) -> None:
+    """Synchronise and return cached device blocks to the device."""
+    dm = backend.device_module
+    dm.synchronize()
+    empty = getattr(dm, "empty_cache", None)
+    if empty is not None:
+        empty()
+
+
+def dynamo_graphs() -> int:
+    """How many graphs Dynamo has compiled in this process so far (deltas count recompiles)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|out - ref| / max|ref|`` computed in float32 on the host."""
+    a = out.detach().float().cpu()
+    b = ref.detach().float().cpu()
+    denom = float(b.abs().max())
+    return float((a - b).abs().max()) / (denom if denom > 0 else 1.0)
+
+
+def hardware_name(backend: Backend) -> str:
+    """The device's marketing name (accelerators) or the host CPU model (cpu backend)."""
+    if backend.is_accelerator:
+        get = getattr(backend.device_module, "get_device_name", None)
+        if get is not None:
+            try:
+                return str(get(backend.device().index or 0))
+            except Exception:  # a name is cosmetic; never fail the run for it
+                pass
+        return backend.device_type
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return "cpu " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return "cpu " + (platform.processor() or platform.machine())

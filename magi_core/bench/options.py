@@ -1,0 +1,105 @@
+"""Benchmark options and the size presets chosen from the backend (full, quick, cpu)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from magi_core.errors import ConfigError
+
+SYSTEMS = ("resident_eager", "resident_compiled", "magi", "diffusers", "accelerate")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Model sizes and token counts of one run."""
+
+    mlp_hidden: int
+    mlp_layers: int
+    tf_hidden: int
+    tf_layers: int
+    tf_heads: int
+    tf_ffn_mult: float
+    tokens: tuple[int, ...]
+
+
+#: Accelerator default: 6.44 GB MLP stack (baselines.md) and a 6.8 GB transformer (14 x 486 MB blocks, FFN 14336).
+FULL = Sizes(4096, 24, 4096, 14, 32, 3.5, (2048, 16384))
+#: Accelerator quick check: same widths, fewer blocks, one token count.
+QUICK = Sizes(4096, 8, 4096, 4, 32, 3.5, (2048,))
+#: Host-only run: tiny models, figures not meaningful.
+CPU = Sizes(64, 4, 64, 2, 2, 3.5, (16, 64))
+CPU_QUICK = Sizes(64, 3, 64, 2, 2, 3.5, (16,))
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Everything a ``magi bench`` run needs; ``None`` sizes are taken from the backend's preset."""
+
+    models: tuple[str, ...] = ("mlp", "transformer")
+    systems: tuple[str, ...] = SYSTEMS
+    policies: tuple[str, ...] = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
+    ratios: tuple[float, ...] = (0.0, 0.25, 0.5)
+    budgets: tuple[float, ...] = (0.5,)
+    steps: int = 10
+    warmup: int = 2
+    dtype: str = "bf16"
+    quick: bool = False
+    tokens: tuple[int, ...] | None = None
+    mlp_hidden: int | None = None
+    mlp_layers: int | None = None
+    tf_hidden: int | None = None
+    tf_layers: int | None = None
+    tf_heads: int | None = None
+    probe_bytes: int | None = None
+    compile_on_cpu: bool = False
+    time_budget_s: float | None = None
+    out: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for m in self.models:
+            if m not in ("mlp", "transformer"):
+                raise ConfigError(f"unknown model {m!r}; choose from mlp, transformer")
+        for s in self.systems:
+            if s not in SYSTEMS:
+                raise ConfigError(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+        for r in self.ratios + self.budgets:
+            if not 0.0 <= r <= 1.0:
+                raise ConfigError(f"residency ratios and budget fractions must be in [0, 1], got {r}")
+        if self.steps < 10:
+            raise ConfigError(f"--steps must be >= 10 (median of at least 10 steps), got {self.steps}")
+        if self.warmup < 1:
+            raise ConfigError(f"--warmup must be >= 1, got {self.warmup}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of the models."""
+        return DTYPES[self.dtype]
+
+    def sizes(self, is_accelerator: bool) -> Sizes:
+        """The preset for this backend with every explicitly given size applied on top."""
+        base = (QUICK if self.quick else FULL) if is_accelerator else (CPU_QUICK if self.quick else CPU)
+        overrides = {k: getattr(self, k) for k in ("mlp_hidden", "mlp_layers", "tf_hidden", "tf_layers", "tf_heads")
+                     if getattr(self, k) is not None}
+        if self.tokens is not None:
+            overrides["tokens"] = tuple(self.tokens)
+        return replace(base, **overrides)
+
+    def h2d_probe_bytes(self, is_accelerator: bool) -> int:
+        """Bytes of the pinned H2D bandwidth probe: 1 GiB on accelerators, 16 MiB on the host."""
+        if self.probe_bytes is not None:
+            return self.probe_bytes
+        return (1 << 30) if is_accelerator else (16 << 20)
+
+    def as_json(self) -> dict[str, Any]:
+        """The options as JSON-ready values."""
+        d = asdict(self)
+        d["out"] = str(self.out) if self.out is not None else None
+        return d

@@ -1,0 +1,235 @@
+"""Turns result documents into the Markdown report (tables, targets), a PNG plot and a terminal summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from magi_core.bench import analysis
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Read a result JSON and (re)compute its derived figures and targets."""
+    return analysis.finalize(json.loads(path.read_text()))
+
+
+def _f(v: Any, fmt: str = "{:.3f}", none: str = "-") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def _slug(doc: dict[str, Any]) -> str:
+    hw = re.sub(r"[^A-Za-z0-9]+", "-", doc["env"]["hardware"]).strip("-").lower()[:40]
+    return f"{doc['env']['date'][:10]}-{hw}"
+
+
+def _status(r: dict[str, Any]) -> str:
+    if r["status"] == "ok":
+        notes = []
+        if r.get("streamed_bytes_estimated"):
+            notes.append("streamed bytes from ratio")
+        return "ok" + (f" ({'; '.join(notes)})" if notes else "")
+    return f"{r['status']}: {r.get('reason', '')}".replace("|", "/").replace("\n", " ")[:160]
+
+
+def runs_table(doc: dict[str, Any], workload: str, tokens: int) -> list[str]:
+    """Markdown rows of every configuration at one model and token count."""
+    lines = [
+        "| system | step ms | x ideal | ideal ms | x faster than diffusers | x faster than accelerate | "
+        "peak alloc GB | peak reserved GB | pinned / weights | copy GB/s | setup s | first call s | recompiles | "
+        "max rel err | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["runs"]:
+        if r["workload"] != workload or r["tokens"] != tokens:
+            continue
+        if r["status"] != "ok":
+            lines.append(f"| {r['label']} |" + " - |" * 13 + f" {_status(r)} |")
+            continue
+        sp = r.get("speedup_vs", {})
+        lines.append(
+            f"| {r['label']} | {_f(r['step_ms'])} | {_f(r.get('ratio_to_ideal'))} | {_f(r.get('ideal_ms'))} | "
+            f"{_f(sp.get('diffusers'), '{:.2f}')} | {_f(sp.get('accelerate'), '{:.2f}')} | "
+            f"{_f(r['peak_alloc_bytes'] / GB)} | {_f(r['peak_reserved_bytes'] / GB)} | "
+            f"{_f(r.get('pinned_over_weights'), '{:.4f}')} | {_f(r.get('copy_GBps'), '{:.2f}')} | "
+            f"{_f(r.get('setup_s'), '{:.2f}')} | {_f(r.get('first_call_s'), '{:.2f}')} | {r['recompiles']} | "
+            f"{_f(r.get('max_rel_err'), '{:.2e}')} | {_status(r)} |"
+        )
+    return lines
+
+
+def _target_value(t: dict[str, Any]) -> str:
+    if t["value"] is None:
+        return "-"
+    if t["unit"] == "B":
+        return f"{t['value'] / GB:.3f} GB"
+    return f"{t['value']:.3f}{t['unit']}"
+
+
+def _target_limit(t: dict[str, Any]) -> str:
+    if t["unit"] == "B":
+        return f"{t['limit'] / GB:.3f} GB"
+    return f"{t['limit']:g}{t['unit']}"
+
+
+def targets_table(doc: dict[str, Any]) -> list[str]:
+    """Markdown rows: each target, its scope, the measured value, the limit, met / missed by how much."""
+    lines = ["| target | scope | value | limit | result | note |", "|---|---|---|---|---|---|"]
+    for t in doc.get("targets", []):
+        if t["status"] == "missed":
+            result = f"**missed** by {t['missed_by'] * 100:.1f}%"
+        else:
+            result = t["status"]
+        note = (t.get("note") or "").replace("|", "/")
+        lines.append(f"| {t['target']} | {t['scope']} | {_target_value(t)} | {_target_limit(t)} | {result} | {note} |")
+    return lines
+
+
+def doc_markdown(doc: dict[str, Any], plot: Path | None, md_dir: Path) -> list[str]:
+    """The Markdown section of one result document."""
+    env = doc["env"]
+    lines = [f"## {env['hardware']} - {env['date']}", ""]
+    if not env.get("meaningful", False):
+        lines += [f"> **Not meaningful:** {env.get('note')}", ""]
+    be = env["backend"]
+    lines += [
+        "| hardware | backend | torch | magi-core | python | pinned H2D GB/s (same run) |",
+        "|---|---|---|---|---|---|",
+        f"| {env['hardware']} | {be['name']} ({be['device_type']}, {be['package']} {be['version']}) | {env['torch']} "
+        f"| {env['magi_core']} | {env['python']} | {doc['h2d_GBps']:.2f} |",
+        "",
+    ]
+    for name, w in doc["workloads"].items():
+        shape = ", ".join(f"{k}={v}" for k, v in w["shape"].items())
+        lines.append(f"- **{name}**: {w['weight_bytes'] / GB:.3f} GB of {w['dtype']} weights, "
+                     f"{len(w['block_bytes'])} blocks ({shape})")
+    lines.append("")
+    if plot is not None:
+        rel = Path(plot).resolve().relative_to(md_dir.resolve()) if _is_under(plot, md_dir) else Path(plot)
+        lines += [f"![step time against residency]({rel.as_posix()})", ""]
+    pairs = sorted({(r["workload"], r["tokens"]) for r in doc["runs"]})
+    for wl, tok in pairs:
+        lines += [f"### {wl}, {tok} tokens", ""] + runs_table(doc, wl, tok) + [""]
+    lines += ["### Targets", ""] + targets_table(doc) + [""]
+    return lines
+
+
+def _is_under(path: Path, folder: Path) -> bool:
+    try:
+        Path(path).resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+LEGEND = """\
+Step time is the median of the timed steps (device timing events, steps issued back to back after
+warm-up). "ideal" = max(compiled resident step time, streamed bytes / pinned H2D bandwidth measured
+in the same run); "x faster than P" = P's step time / this step time; setup = materialise + pin
+(+ wrap), "first call" includes compilation; recompiles are Dynamo graphs compiled during the timed
+steps; max rel err = max|out - ref| / max|ref| against the first system run (resident eager).
+"""
+
+
+def markdown(docs: Sequence[dict[str, Any]], plots: Sequence[Path | None], md_dir: Path) -> str:
+    """The whole ``docs/BENCHMARKS.md`` text for ``docs`` (newest first)."""
+    lines = ["# Benchmarks", "", "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`"
+             " (written by `magi bench`). Do not edit by hand.", "", LEGEND]
+    if not docs:
+        lines += ["No results yet: run `magi bench` on an accelerator."]
+    for doc, plot in zip(docs, plots, strict=True):
+        lines += doc_markdown(doc, plot, md_dir)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> Path | None:
+    """Step time against residency ratio for each system, with the ideal line; None if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed (pip install 'magi-core[bench]'): no plot written")
+        return None
+    pairs = sorted({(r["workload"], r["tokens"]) for r in doc["runs"]})
+    if not pairs:
+        return None
+    fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), squeeze=False)
+    bw = doc["h2d_GBps"] * 1e9
+    for ax, (wl, tok) in zip(axes[0], pairs, strict=True):
+        runs = [r for r in analysis.ok_runs(doc) if r["workload"] == wl and r["tokens"] == tok]
+        for pol in sorted({r["policy"] for r in runs if r["system"] == "magi"}):
+            pts = sorted((r["ratio"], r["step_ms"]) for r in runs if r["policy"] == pol and r.get("ratio") is not None)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=f"magi {pol}")
+            bud = [r for r in runs if r["policy"] == pol and r.get("budget_fraction") is not None
+                   and r.get("resident_bytes") is not None]
+            for r in bud:
+                ax.scatter([r["resident_bytes"] / r["weight_bytes"]], [r["step_ms"]], marker="*", s=90,
+                           label=f"magi {pol} budget {r['budget_fraction']:g}W")
+        resident = next((r for r in runs if r["system"] == "resident_compiled"), None) or \
+            next((r for r in runs if r["system"] == "resident_eager"), None)
+        for r in runs:
+            if r["system"] in ("resident_eager", "resident_compiled"):
+                ax.axhline(r["step_ms"], linestyle=":", color="grey" if r["system"] == "resident_eager" else "black",
+                           label=r["label"])
+            elif r["system"] in analysis.PEERS:
+                ax.scatter([0.0], [r["step_ms"]], marker="x", s=70, label=r["label"])
+        if resident is not None:
+            weights = doc["workloads"][wl]["weight_bytes"]
+            xs = [i / 50 for i in range(51)]
+            ax.plot(xs, [max(resident["step_ms"], (1 - x) * weights / bw * 1e3) for x in xs], color="red",
+                    linewidth=1, label="ideal")
+        ax.set_title(f"{wl}, {tok} tokens")
+        ax.set_xlabel("resident fraction of weight bytes")
+        ax.set_ylabel("step time (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    title = f"magi bench - {doc['env']['hardware']} - {doc['env']['date'][:10]}"
+    if not doc["env"].get("meaningful", False):
+        title += " (cpu: not meaningful)"
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(docs: Sequence[dict[str, Any]], md_path: Path, plot_dir: Path | None = None) -> list[Path]:
+    """Write ``md_path`` and one PNG per document (in ``plot_dir``, default next to the Markdown); return the files."""
+    md_path = Path(md_path)
+    plot_dir = plot_dir if plot_dir is not None else md_path.parent
+    docs = sorted((analysis.finalize(d) for d in docs), key=lambda d: d["env"]["date"], reverse=True)
+    plots = [plot(d, plot_dir / f"bench-{_slug(d)}.png") for d in docs]
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(markdown(docs, plots, md_path.parent))
+    return [md_path] + [p for p in plots if p is not None]
+
+
+def text_summary(doc: dict[str, Any]) -> str:
+    """A compact terminal table of one run: step time, x ideal, peak memory, status, then targets."""
+    lines = []
+    if not doc["env"].get("meaningful", False):
+        lines.append(f"NOTE: {doc['env'].get('note')}")
+    lines.append(f"{'model':<12} {'tokens':>6} {'system':<34} {'step ms':>10} {'x ideal':>8} {'peak GB':>8}  status")
+    for r in doc["runs"]:
+        ok = r["status"] == "ok"
+        lines.append(f"{r['workload']:<12} {r['tokens']:>6} {r['label']:<34} "
+                     f"{_f(r.get('step_ms') if ok else None):>10} {_f(r.get('ratio_to_ideal'), '{:.3f}'):>8} "
+                     f"{_f(r['peak_alloc_bytes'] / GB if ok else None):>8}  "
+                     f"{'ok' if ok else r['status'] + ': ' + str(r.get('reason', ''))[:60]}")
+    counts: dict[str, int] = {}
+    for t in doc.get("targets", []):
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    lines.append("targets: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""The systems under test: resident eager / compiled, magi-core offload, diffusers and accelerate offloading.
+
+Each system turns a fresh model copy into a :class:`Prepared` callable on the active backend and
+knows how to tear it down again. Peers are imported lazily and reported as skipped when missing.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from magi_core.backend import Backend
+from magi_core.bench.workloads import Workload
+
+POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
+PEERS = ("diffusers", "accelerate")
+
+
+class SystemSkipped(Exception):
+    """The system cannot run here (a peer not installed, compile disabled on this backend); the message says why."""
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One system configuration: its kind and, for magi-core, the policy and residency ratio or budget."""
+
+    kind: str  # resident_eager | resident_compiled | magi | diffusers | accelerate
+    policy: str | None = None
+    ratio: float | None = None
+    budget_fraction: float | None = None
+
+    @property
+    def label(self) -> str:
+        """Short human-readable name, unique within a run."""
+        if self.kind != "magi":
+            return self.kind
+        if self.budget_fraction is not None:
+            return f"magi {self.policy} budget={self.budget_fraction:g}W"
+        return f"magi {self.policy} r={self.ratio:g}"
+
+    @property
+    def is_peer(self) -> bool:
+        """True for diffusers and accelerate."""
+        return self.kind in PEERS
+
+
+@dataclass
+class Prepared:
+    """A runnable system: the callable, its setup time, what it knows about its memory, and its teardown."""
+
+    fn: Callable[[torch.Tensor], Any]
+    setup_s: float
+    warmup_calls: int
+    info: dict[str, Any] = field(default_factory=dict)
+    close: Callable[[], None] = lambda: None
+    stats: Callable[[], dict[str, Any]] = dict
+
+
+def _no_grad(fn: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    def run(x: torch.Tensor) -> Any:
+        with torch.no_grad():
+            return fn(x)
+
+    return run
+
+
+def _reset_dynamo() -> None:
+    """Forget compiled frames so fresh copies of one model class never hit Dynamo's recompile limit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+def prepare_resident(workload: Workload, backend: Backend, compiled: bool, compile_on_cpu: bool) -> Prepared:
+    """The whole model on the device, run eagerly or through ``torch.compile`` (Inductor)."""
+    if compiled and not backend.is_accelerator and not compile_on_cpu:
+        raise SystemSkipped("Inductor compile skipped on the cpu backend (pass --compile-on-cpu to force it)")
+    t0 = time.perf_counter()
+    model: nn.Module = workload.fresh().to(backend.device())
+    fn: Callable[[torch.Tensor], Any] = model
+    if compiled:
+        _reset_dynamo()
+        fn = torch.compile(model)
+    backend.device_module.synchronize()
+    weights = workload.weight_bytes
+    return Prepared(_no_grad(fn), time.perf_counter() - t0, 1 if not compiled else 2,
+                    info={"resident_bytes": weights, "streamed_bytes": 0, "units": len(workload.block_bytes)})
+
+
+def magi_available() -> str | None:
+    """None when ``magi_core.offload`` and ``OffloadConfig`` can be imported, else why not."""
+    for mod in ("magi_core.runtime.api", "magi_core.runtime.config"):
+        try:
+            if importlib.util.find_spec(mod) is None:
+                return f"{mod} is not present in this magi-core build"
+        except ImportError as exc:
+            return f"{mod}: {exc}"
+    return None
+
+
+def _magi_config(spec: SystemSpec, weight_bytes: int) -> Any:
+    from magi_core.runtime.config import OffloadConfig
+
+    if spec.budget_fraction is not None:
+        return OffloadConfig(policy=spec.policy, device_memory_budget_bytes=int(spec.budget_fraction * weight_bytes))
+    return OffloadConfig(policy=spec.policy, gpu_resident_weight_ratio=float(spec.ratio or 0.0))
+
+
+def prepare_magi(workload: Workload, backend: Backend, spec: SystemSpec) -> Prepared:
+    """``magi_core.offload(fresh model, OffloadConfig(...))`` with the spec's policy and ratio or budget."""
+    why = magi_available()
+    if why is not None:
+        raise SystemSkipped(f"magi-core offload runtime missing: {why}")
+    from magi_core.runtime.api import offload
+
+    _reset_dynamo()
+    config = _magi_config(spec, workload.weight_bytes)
+    t0 = time.perf_counter()
+    model = offload(workload.fresh(), config)
+    backend.device_module.synchronize()
+    setup = time.perf_counter() - t0
+    from magi_core.bench import magi_stats
+
+    def close() -> None:
+        magi_stats.release(model)
+
+    return Prepared(_no_grad(model), setup, int(getattr(config, "warmup_calls", 2)) + 1,
+                    info=magi_stats.static_info(model, workload), close=close,
+                    stats=lambda: magi_stats.step_info(model))
+
+
+def prepare_diffusers(workload: Workload, backend: Backend) -> Prepared:
+    """diffusers group offloading: block level, one block per group, copy stream, ``record_stream``."""
+    if importlib.util.find_spec("diffusers") is None:
+        raise SystemSkipped("diffusers is not installed (pip install 'magi-core[bench]')")
+    if not backend.is_accelerator:
+        raise SystemSkipped("diffusers group offloading with use_stream=True needs an accelerator")
+    from diffusers.hooks import apply_group_offloading
+
+    t0 = time.perf_counter()
+    model = workload.fresh()
+    apply_group_offloading(model, onload_device=backend.device(), offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True)
+    backend.device_module.synchronize()
+    return Prepared(_no_grad(model), time.perf_counter() - t0, 2,
+                    info={"resident_bytes": 0, "streamed_bytes": workload.weight_bytes,
+                          "units": len(workload.block_bytes)})
+
+
+def prepare_accelerate(workload: Workload, backend: Backend) -> Prepared:
+    """accelerate ``cpu_offload`` with the backend's device as execution device."""
+    if importlib.util.find_spec("accelerate") is None:
+        raise SystemSkipped("accelerate is not installed (pip install 'magi-core[bench]')")
+    from accelerate import cpu_offload
+
+    t0 = time.perf_counter()
+    model = workload.fresh()
+    cpu_offload(model, execution_device=backend.device())
+    backend.device_module.synchronize()
+    return Prepared(_no_grad(model), time.perf_counter() - t0, 1,
+                    info={"resident_bytes": 0, "streamed_bytes": workload.weight_bytes,
+                          "units": sum(1 for m in model.modules() if not list(m.children()))})
+
+
+def prepare(workload: Workload, backend: Backend, spec: SystemSpec, compile_on_cpu: bool = False) -> Prepared:
+    """Set up ``spec`` on a fresh copy of ``workload``'s model."""
+    if spec.kind in ("resident_eager", "resident_compiled"):
+        return prepare_resident(workload, backend, spec.kind == "resident_compiled", compile_on_cpu)
+    if spec.kind == "magi":
+        return prepare_magi(workload, backend, spec)
+    if spec.kind == "diffusers":
+        return prepare_diffusers(workload, backend)
+    if spec.kind == "accelerate":
+        return prepare_accelerate(workload, backend)
+    raise ValueError(f"unknown system kind {spec.kind!r}")
+
+
+def cleanup(backend: Backend) -> None:
+    """Collect garbage, forget Dynamo frames and return cached device memory after a system ran."""
+    _reset_dynamo()
+    gc.collect()
+    dm = backend.device_module
+    dm.synchronize()
+    empty = getattr(dm, "empty_cache", None)
+    if empty is not None:
+        empty()
