@@ -1,0 +1,94 @@
+"""magi-core backend for NVIDIA CUDA: ``torch.cuda``, in-place pinning via torch's CUDA runtime, NVTX ranges.
+
+Importing this module touches no device; every hook resolves what it needs when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+from magi_core.hookspecs import ProbeResult
+from magi_core.plugin import hookimpl
+
+from magi_backend_cuda import ranges, runtime
+
+__version__ = "0.1.0"
+DEVICE_TYPE = "cuda"
+PRIORITY = 100
+
+
+def _unavailable(reason: str) -> ProbeResult:
+    return ProbeResult(
+        available=False, device_type=DEVICE_TYPE, priority=PRIORITY, version=torch.version.cuda or "none",
+        reason=reason,
+    )
+
+
+@hookimpl
+def magi_probe() -> ProbeResult:
+    """CUDA is usable when torch is a CUDA build, ``torch.cuda`` is the real one and a device is visible (no init)."""
+    if torch.version.cuda is None:
+        hip = getattr(torch.version, "hip", None)
+        return _unavailable(
+            f"torch build has no CUDA (torch {torch.__version__}{', ROCm ' + hip if hip else ''}); "
+            "install a CUDA build of torch"
+        )
+    accel = torch.accelerator.current_accelerator(check_available=False)
+    if accel is not None and accel.type != DEVICE_TYPE:
+        return _unavailable(f"torch's accelerator is {accel.type!r}, not CUDA; use the {accel.type} backend")
+    if torch.cuda.__name__ != "torch.cuda":
+        return _unavailable(
+            f"torch.cuda is remapped onto {torch.cuda.__name__!r} (an adapter such as torchada); "
+            "use the backend of the device it maps to"
+        )
+    count = torch.cuda.device_count()  # NVML-based where possible: does not initialise CUDA
+    if count <= 0:
+        return _unavailable("no CUDA device visible (check the driver and CUDA_VISIBLE_DEVICES)")
+    return ProbeResult(available=True, device_type=DEVICE_TYPE, priority=PRIORITY, version=torch.version.cuda)
+
+
+@hookimpl
+def magi_hookspec_versions() -> Sequence[str]:
+    """Spec major 1."""
+    return ("1",)
+
+
+@hookimpl
+def magi_device_module() -> ModuleType:
+    """``torch.cuda``."""
+    return torch.cuda
+
+
+@hookimpl
+def magi_host_register(ptr: int, nbytes: int) -> None:
+    """``cudaHostRegister`` in place; 712 (already registered) is success, other codes raise HostRegisterError."""
+    runtime.host_register(ptr, nbytes)
+
+
+@hookimpl
+def magi_host_unregister(ptr: int) -> None:
+    """``cudaHostUnregister``; an unknown range raises HostRegisterError (713)."""
+    runtime.host_unregister(ptr)
+
+
+@hookimpl
+def magi_range_push(name: str) -> None:
+    """Open an NVTX range (no-op when the torch build has no NVTX)."""
+    ranges.push(name)
+
+
+@hookimpl
+def magi_range_pop() -> None:
+    """Close the innermost NVTX range (no-op when the torch build has no NVTX)."""
+    ranges.pop()
+
+
+@hookimpl
+def magi_to_method_aliases() -> Sequence[str]:
+    """Plain ``Tensor.to``."""
+    return ("to",)
+
+
+__all__ = ["DEVICE_TYPE", "PRIORITY", "__version__"]
