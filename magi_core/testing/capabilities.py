@@ -9,12 +9,12 @@ import torch
 from magi_core.backend import Backend
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _allocation_check(device_type: str, index: int | None) -> str | None:
     try:
         torch.empty(1, device=torch.device(device_type, index) if index is not None else device_type)
     except NotImplementedError as exc:  # no kernels registered for this device type (emulated devices)
-        return f"no tensor kernels exist for device type {device_type!r}: {str(exc).split(". ")[0]}"
+        return f"no tensor kernels exist for device type {device_type!r}: {str(exc).split('. ')[0]}"
     return None
 
 

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from types import ModuleType
 
 import torch
-from magi_core.hookspecs import ProbeResult
-from magi_core.plugin import hookimpl
 
 from magi_backend_cuda import ranges, runtime
+from magi_core.hookspecs import ProbeResult
+from magi_core.plugin import hookimpl
 
 __version__ = "0.1.0"
 DEVICE_TYPE = "cuda"

@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import torch
+
 from magi_core.errors import HostRegisterError
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import torch
+
 from magi_core.errors import BackendError
 
 _local = threading.local()

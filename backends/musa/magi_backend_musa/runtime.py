@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from magi_core.errors import BackendError, HostRegisterError
 
 logger = logging.getLogger(__name__)
