@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tf-heads", type=int, default=None)
     parser.add_argument("--probe-mb", type=int, default=None, help="H2D probe size in MiB (default 1024; cpu 16)")
     parser.add_argument("--compile-on-cpu", action="store_true", help="run Inductor for resident compiled on cpu")
+    parser.add_argument("--no-overhead-probe", action="store_true",
+                        help="skip the all-resident (ratio 1) magi run used to measure executor host overhead")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which remaining configurations are recorded as skipped")
     parser.add_argument("--out", type=Path, default=None,
@@ -70,7 +72,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         dtype=args.dtype, quick=args.quick, tokens=tuple(args.tokens) if args.tokens else None,
         mlp_hidden=args.mlp_hidden, mlp_layers=args.mlp_layers, tf_hidden=args.tf_hidden, tf_layers=args.tf_layers,
         tf_heads=args.tf_heads, probe_bytes=args.probe_mb << 20 if args.probe_mb else None,
-        compile_on_cpu=args.compile_on_cpu, time_budget_s=args.time_budget, out=args.out,
+        compile_on_cpu=args.compile_on_cpu, overhead_probe=not args.no_overhead_probe,
+        time_budget_s=args.time_budget, out=args.out,
     )
 
 

@@ -1,4 +1,4 @@
-"""What the benchmark reads from a model returned by ``magi_core.offload``: bytes, plan, host weights, release."""
+"""What the benchmark reads from magi-core's offload runtime: units, resident / streamed bytes, plan, host weights."""
 
 from __future__ import annotations
 
@@ -7,29 +7,71 @@ from typing import Any
 
 from torch import nn
 
-from magi_core.bench.workloads import Workload
-
 logger = logging.getLogger(__name__)
 
 
-def static_info(model: nn.Module, workload: Workload) -> dict[str, Any]:
-    """Figures known once set up: pinned host bytes and unit count (None where the runtime does not say)."""
-    hw = getattr(model, "_magi_host_weights", None)
-    return {
-        "pinned_bytes": getattr(hw, "pinned_bytes", None),
-        "units": None,
-        "resident_bytes": None,
-        "streamed_bytes": None,
-    }
+class RuntimeWatch:
+    """Finds the offload runtimes (one per Dynamo graph) compiled after this watch was created."""
+
+    def __init__(self) -> None:
+        self._before = {id(r) for r in _live()}
+
+    def newest(self) -> Any | None:
+        """The most recently compiled runtime since the watch started (the one serving the last shape), or None."""
+        fresh = [r for r in _live() if id(r) not in self._before]
+        return fresh[-1] if fresh else None
+
+    def step_info(self) -> dict[str, Any]:
+        """Units, resident / streamed bytes per step, plan and bandwidth of the newest runtime (empty if none)."""
+        rt = self.newest()
+        if rt is None:
+            return {}
+        ex = rt.executor
+        info: dict[str, Any] = {"units": ex.n_units, "magi_phase": rt.phase}
+        actions = getattr(ex, "actions", None)
+        if actions is not None:
+            info["resident_bytes"] = int(actions.resident_bytes)
+            info["streamed_bytes"] = int(actions.streamed_bytes)
+        plan = rt.plan
+        if plan is not None:
+            info["plan_policy"] = str(plan.policy)
+            info["plan_resident_units"] = len(plan.resident)
+            info["predicted_step_ms"] = plan.predicted_step_ms
+            info["predicted_stall_ms"] = plan.predicted_stall_ms
+        if rt.bandwidth_Bps is not None:
+            info["runtime_bandwidth_GBps"] = rt.bandwidth_Bps / 1e9
+        return info
 
 
-def step_info(model: nn.Module) -> dict[str, Any]:
-    """Figures known after warm-up: resident and streamed bytes per step, units, host overhead (None if unknown)."""
-    return {}
+def _live() -> list[Any]:
+    from magi_core.runtime.compile_backend import live_runtimes
+
+    return live_runtimes()
+
+
+def host_weights(model: nn.Module) -> Any | None:
+    """The :class:`~magi_core.host.HostWeights` behind an offloaded model, or None."""
+    for name in ("_magi_host_weights", "magi_host_weights", "host_weights"):
+        hw = getattr(model, name, None)
+        if hw is not None:
+            return hw
+    return None
+
+
+def static_info(model: nn.Module) -> dict[str, Any]:
+    """Figures known once set up: pinned and weight bytes of the host arena (absent where unknown)."""
+    hw = host_weights(model)
+    if hw is None:
+        return {}
+    info = {"pinned_bytes": int(hw.pinned_bytes), "host_weight_bytes": int(hw.weight_bytes)}
+    report = getattr(hw, "report", None)
+    if isinstance(report, dict):
+        info["host_report"] = {k: v for k, v in report.items() if isinstance(v, int | float | str)}
+    return info
 
 
 def release(model: nn.Module) -> None:
-    """Release the model's host weights (unregister and unmap) so nothing is left behind."""
-    hw = getattr(model, "_magi_host_weights", None)
+    """Release the model's host weights (unregister and unmap) so no registered range is left behind."""
+    hw = host_weights(model)
     if hw is not None:
         hw.release()

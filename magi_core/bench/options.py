@@ -57,6 +57,7 @@ class BenchOptions:
     tf_heads: int | None = None
     probe_bytes: int | None = None
     compile_on_cpu: bool = False
+    overhead_probe: bool = True
     time_budget_s: float | None = None
     out: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)

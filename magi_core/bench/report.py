@@ -25,6 +25,16 @@ def _f(v: Any, fmt: str = "{:.3f}", none: str = "-") -> str:
     return none if v is None else fmt.format(v)
 
 
+def human_bytes(n: float | None) -> str:
+    """``n`` bytes as GB, MB or kB (decimal units)."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _slug(doc: dict[str, Any]) -> str:
     hw = re.sub(r"[^A-Za-z0-9]+", "-", doc["env"]["hardware"]).strip("-").lower()[:40]
     return f"{doc['env']['date'][:10]}-{hw}"
@@ -43,7 +53,7 @@ def runs_table(doc: dict[str, Any], workload: str, tokens: int) -> list[str]:
     """Markdown rows of every configuration at one model and token count."""
     lines = [
         "| system | step ms | x ideal | ideal ms | x faster than diffusers | x faster than accelerate | "
-        "peak alloc GB | peak reserved GB | pinned / weights | copy GB/s | setup s | first call s | recompiles | "
+        "peak alloc | peak reserved | pinned / weights | copy GB/s | setup s | first call s | recompiles | "
         "max rel err | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -57,7 +67,7 @@ def runs_table(doc: dict[str, Any], workload: str, tokens: int) -> list[str]:
         lines.append(
             f"| {r['label']} | {_f(r['step_ms'])} | {_f(r.get('ratio_to_ideal'))} | {_f(r.get('ideal_ms'))} | "
             f"{_f(sp.get('diffusers'), '{:.2f}')} | {_f(sp.get('accelerate'), '{:.2f}')} | "
-            f"{_f(r['peak_alloc_bytes'] / GB)} | {_f(r['peak_reserved_bytes'] / GB)} | "
+            f"{human_bytes(r['peak_alloc_bytes'])} | {human_bytes(r['peak_reserved_bytes'])} | "
             f"{_f(r.get('pinned_over_weights'), '{:.4f}')} | {_f(r.get('copy_GBps'), '{:.2f}')} | "
             f"{_f(r.get('setup_s'), '{:.2f}')} | {_f(r.get('first_call_s'), '{:.2f}')} | {r['recompiles']} | "
             f"{_f(r.get('max_rel_err'), '{:.2e}')} | {_status(r)} |"
@@ -69,13 +79,13 @@ def _target_value(t: dict[str, Any]) -> str:
     if t["value"] is None:
         return "-"
     if t["unit"] == "B":
-        return f"{t['value'] / GB:.3f} GB"
+        return human_bytes(t["value"])
     return f"{t['value']:.3f}{t['unit']}"
 
 
 def _target_limit(t: dict[str, Any]) -> str:
     if t["unit"] == "B":
-        return f"{t['limit'] / GB:.3f} GB"
+        return human_bytes(t["limit"])
     return f"{t['limit']:g}{t['unit']}"
 
 
@@ -108,7 +118,7 @@ def doc_markdown(doc: dict[str, Any], plot: Path | None, md_dir: Path) -> list[s
     ]
     for name, w in doc["workloads"].items():
         shape = ", ".join(f"{k}={v}" for k, v in w["shape"].items())
-        lines.append(f"- **{name}**: {w['weight_bytes'] / GB:.3f} GB of {w['dtype']} weights, "
+        lines.append(f"- **{name}**: {human_bytes(w['weight_bytes'])} of {w['dtype']} weights, "
                      f"{len(w['block_bytes'])} blocks ({shape})")
     lines.append("")
     if plot is not None:

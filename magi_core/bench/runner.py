@@ -40,6 +40,9 @@ def system_specs(options: BenchOptions) -> list[SystemSpec]:
         for policy in options.policies:
             specs += [SystemSpec("magi", policy=policy.upper(), ratio=r) for r in options.ratios]
             specs += [SystemSpec("magi", policy=policy.upper(), budget_fraction=b) for b in options.budgets]
+        if options.overhead_probe and options.policies and 1.0 not in options.ratios:
+            # everything resident: no copies and no host waits, so the host call time is the executor's own cost
+            specs.append(SystemSpec("magi", policy=options.policies[-1].upper(), ratio=1.0))
     for kind in ("diffusers", "accelerate"):
         if kind in options.systems:
             specs.append(SystemSpec(kind))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from magi_core.backend import Backend
+from magi_core.bench import magi_stats
 from magi_core.bench.workloads import Workload
 
 POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
@@ -122,18 +123,17 @@ def prepare_magi(workload: Workload, backend: Backend, spec: SystemSpec) -> Prep
 
     _reset_dynamo()
     config = _magi_config(spec, workload.weight_bytes)
+    watch = magi_stats.RuntimeWatch()
     t0 = time.perf_counter()
     model = offload(workload.fresh(), config)
     backend.device_module.synchronize()
     setup = time.perf_counter() - t0
-    from magi_core.bench import magi_stats
 
     def close() -> None:
         magi_stats.release(model)
 
-    return Prepared(_no_grad(model), setup, int(getattr(config, "warmup_calls", 2)) + 1,
-                    info=magi_stats.static_info(model, workload), close=close,
-                    stats=lambda: magi_stats.step_info(model))
+    return Prepared(_no_grad(model), setup, int(config.warmup_calls) + 1, info=magi_stats.static_info(model),
+                    close=close, stats=watch.step_info)
 
 
 def prepare_diffusers(workload: Workload, backend: Backend) -> Prepared:
