@@ -1,0 +1,170 @@
+"""HEURISTIC: latest copy triggers that still reach the best step time, residency where it removes most stall.
+
+For a resident set, the earliest-issue schedule (every streamed copy queued at once, the leading ones
+during the previous step's last unit) gives the shortest possible step on a serial copy stream. Walking
+the streamed units backwards from that schedule, each copy gets the latest start that still lands
+``prefetch_margin_ms`` before its unit starts (or as early as that schedule manages, when the link is
+the bottleneck) and before the next copy must start; its trigger is the last launch point not later
+than that start. So the step time equals the shortest possible, and weights arrive as late as possible,
+which keeps the streamed working set small. Look-ahead plans are never faster for the same residency.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from magi_core.runtime.plan import STEP_START, Plan, UnitProfile
+from magi_core.runtime.schedulers.common import (
+    assemble,
+    fill,
+    least_compute_per_byte,
+    next_step_eligible,
+    plan_with_limits,
+    planning_bandwidth,
+    streamed_units,
+)
+from magi_core.runtime.schedulers.lookahead import lookahead_plan
+from magi_core.runtime.schedulers.simulate import transfer_ms
+
+if TYPE_CHECKING:
+    from magi_core.runtime.config import OffloadConfig
+
+#: Position meaning "issued during the previous step's last unit" (``Plan.next_step``), internal only.
+_PREVIOUS_STEP = -2
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    start: list[float]
+    end: list[float]
+    copy_end: dict[int, float]
+    streamed: list[int]
+    n_early: int
+
+
+def _earliest(profiles: Sequence[UnitProfile], resident: frozenset[int], tms: Sequence[float]) -> _Timeline:
+    """Steady-state timeline when every streamed copy is issued as early as a plan allows."""
+    n = len(profiles)
+    streamed = streamed_units(profiles, resident)
+    n_early = next_step_eligible(profiles, streamed)
+    before = -profiles[n - 1].compute_ms if n else 0.0
+    copy_free = -math.inf
+    copy_end: dict[int, float] = {}
+    for m, j in enumerate(streamed):
+        copy_free = max(before if m < n_early else 0.0, copy_free) + tms[j]
+        copy_end[j] = copy_free
+    start: list[float] = []
+    end: list[float] = []
+    prev = 0.0
+    for i, p in enumerate(profiles):
+        s = max(prev, copy_end[i]) if i in copy_end else prev
+        start.append(s)
+        prev = s + p.compute_ms
+        end.append(prev)
+    return _Timeline(start, end, copy_end, streamed, n_early)
+
+
+def best_step_ms(profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float) -> float:
+    """The shortest steady-state step any plan with this resident set can reach at ``bandwidth_Bps``."""
+    if not profiles:
+        return 0.0
+    tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
+    return _earliest(profiles, resident, tms).end[-1]
+
+
+def heuristic_plan(
+    profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float, margin_ms: float,
+    policy: str = "HEURISTIC",
+) -> Plan:
+    """Latest-trigger plan for a given resident set (``bandwidth_Bps`` already includes the safety factor)."""
+    n = len(profiles)
+    tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
+    at: dict[int, list[int]] = {i: [] for i in range(-1, n)}
+    next_step: list[int] = []
+    if n:
+        tl = _earliest(profiles, resident, tms)
+        # latest copy starts, walking backwards: finish by the deadline and before the next copy starts
+        latest_start: dict[int, float] = {}
+        next_start = math.inf
+        for j in reversed(tl.streamed):
+            deadline = max(tl.start[j] - margin_ms, tl.copy_end[j])
+            latest_start[j] = min(deadline, next_start) - tms[j]
+            next_start = latest_start[j]
+        # launch time of each position: previous step's last unit, step start, then unit i at end of i-1
+        launch = {_PREVIOUS_STEP: -profiles[n - 1].compute_ms, STEP_START: 0.0}
+        for i in range(n):
+            launch[i] = tl.end[i - 1] if i > 0 else 0.0
+        pos = _PREVIOUS_STEP
+        for m, j in enumerate(tl.streamed):
+            if m >= tl.n_early:
+                pos = max(pos, STEP_START)
+            limit = latest_start[j] + 1e-9 * max(1.0, abs(latest_start[j]))
+            while pos + 1 <= j - 1 and launch[pos + 1] <= limit:
+                pos += 1
+            if pos == _PREVIOUS_STEP:
+                next_step.append(j)
+                at[STEP_START].append(j)
+            else:
+                at[pos].append(j)
+    prefetch_at = {i: tuple(v) for i, v in at.items()}
+    return assemble(policy, profiles, resident, prefetch_at, tuple(next_step), bandwidth_Bps, {"margin_ms": margin_ms})
+
+
+def stall_removing_residency(
+    profiles: Sequence[UnitProfile], cap: int, bandwidth_Bps: float
+) -> frozenset[int]:
+    """Greedy residency: repeatedly keep the unit whose residency shortens the best step most, within ``cap``
+    bytes; when no unit shortens it any more, fill the rest of ``cap`` by least compute per byte."""
+    order = least_compute_per_byte(profiles)
+    rank = {u: r for r, u in enumerate(order)}
+    if not profiles:
+        return frozenset()
+    tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
+    kept: frozenset[int] = frozenset()
+    used = 0
+    tl = _earliest(profiles, kept, tms)
+    while True:
+        current = tl.end[-1]
+        stalled = [i for i in range(len(profiles)) if tl.start[i] > (tl.end[i - 1] if i else 0.0) + 1e-12]
+        if not stalled:
+            break
+        best: tuple[float, int, int] | None = None
+        best_tl = tl
+        for u in tl.streamed:
+            if u > stalled[-1]:
+                break  # keeping units after the last stall cannot shorten the step
+            if used + profiles[u].weight_bytes > cap:
+                continue
+            cand = _earliest(profiles, kept | {u}, tms)
+            key = (current - cand.end[-1], -profiles[u].weight_bytes, -rank[u])
+            if best is None or key > best:
+                best, best_u, best_tl = key, u, cand
+        if best is None or best[0] <= 1e-9 * max(1.0, current):
+            break
+        kept = kept | {best_u}
+        used += profiles[best_u].weight_bytes
+        tl = best_tl
+    return fill(order, profiles, cap, kept)
+
+
+class HeuristicScheduler:
+    """HEURISTIC: residency where it removes the largest predicted stall (then least compute per byte), and
+    each streamed copy triggered at the latest launch point that keeps the shortest step (see module doc)."""
+
+    name = "HEURISTIC"
+
+    def plan(self, profiles: Sequence[UnitProfile], bandwidth_Bps: float, config: OffloadConfig) -> Plan:
+        """Plan from profiled ``profiles`` at the measured ``bandwidth_Bps`` (safety factor applied here)."""
+        bw = planning_bandwidth(bandwidth_Bps, config)
+        margin = config.prefetch_margin_ms
+
+        def build(cap: int) -> Plan:
+            return heuristic_plan(profiles, stall_removing_residency(profiles, cap, bw), bw, margin, self.name)
+
+        def fallback() -> Plan:
+            return lookahead_plan(self.name, profiles, frozenset(), config.lookahead, bw)
+
+        return plan_with_limits(profiles, config, build, fallback)
