@@ -1,0 +1,153 @@
+"""Per-unit action lists precomputed from a :class:`~magi_core.runtime.plan.Plan` (pure, no device).
+
+The executor's hot loop only walks these tuples: which copy batches to issue before a unit, which copy
+events the compute stream waits on, and which streamed weights to free after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from magi_core.passes.units import OffloadUnit
+from magi_core.runtime.plan import Plan, UnitProfile
+
+
+@dataclass(frozen=True)
+class StepActions:
+    """Everything the executor does with weights in one step, by unit index."""
+
+    resident: tuple[int, ...]
+    """Weight input indices copied once and kept on the device."""
+    batches: tuple[tuple[int, ...], ...]
+    """Copy batches: streamed weight input indices copied together, one event each."""
+    batch_unit: tuple[int, ...]
+    """The unit each batch was issued for (its prefetch target)."""
+    start: tuple[int, ...]
+    """Batch ids issued at step start unless the previous step already carried them."""
+    carry: tuple[int, ...]
+    """Batch ids issued during the last unit for the next step (a prefix of ``start``)."""
+    issue: tuple[tuple[int, ...], ...]
+    """Per unit: batch ids issued on the copy stream just before launching it."""
+    wait: tuple[tuple[int, ...], ...]
+    """Per unit: batch ids whose copy event the compute stream waits on before it."""
+    free: tuple[tuple[int, ...], ...]
+    """Per unit: streamed weight input indices freed after it."""
+    streamed_bytes: int
+    """Bytes copied per step (steady state)."""
+    resident_bytes: int
+    """Bytes kept on the device."""
+
+    def copy_order(self) -> list[int]:
+        """Streamed weight input indices in the order one steady-state step copies them (carry last)."""
+        carried = set(self.carry)
+        order: list[int] = []
+        for b in self.start:
+            if b not in carried:
+                order.extend(self.batches[b])
+        for u, ids in enumerate(self.issue):
+            for b in ids:
+                order.extend(self.batches[b])
+            if u == len(self.issue) - 1:
+                for b in self.carry:
+                    order.extend(self.batches[b])
+        return order
+
+
+def build_actions(units: list[OffloadUnit], plan: Plan) -> StepActions:
+    """Turn ``plan`` into per-unit action lists; units the plan never prefetches are copied on demand."""
+    n = len(units)
+    owner = weight_owners(units)
+    resident_w: dict[int, int] = {}
+    for u in units:
+        for w in u.weights:
+            if owner[w.input_index] in plan.resident:
+                resident_w[w.input_index] = w.nbytes
+    streamed: list[list[int]] = [[w.input_index for w in u.weights if w.input_index not in resident_w] for u in units]
+    nbytes = {w.input_index: w.nbytes for u in units for w in u.weights}
+    last_user: dict[int, int] = {}
+    for u in units:
+        for w in streamed[u.index]:
+            last_user[w] = u.index
+
+    batches: list[tuple[int, ...]] = []
+    batch_unit: list[int] = []
+    batch_of: dict[int, int] = {}
+
+    def add(unit: int) -> list[int]:
+        if not 0 <= unit < n:
+            return []
+        ws = tuple(dict.fromkeys(w for w in streamed[unit] if w not in batch_of))
+        if not ws:
+            return []
+        b = len(batches)
+        batches.append(ws)
+        batch_unit.append(unit)
+        for w in ws:
+            batch_of[w] = b
+        return [b]
+
+    carry: list[int] = []
+    for v in plan.next_step:
+        carry += add(v)
+    start = list(carry)
+    for v in plan.prefetch_at.get(-1, ()):
+        start += add(v)
+    issue: list[tuple[int, ...]] = []
+    wait: list[tuple[int, ...]] = []
+    waited: set[int] = set()
+    for u in range(n):
+        ids: list[int] = []
+        for v in plan.prefetch_at.get(u, ()):
+            if v >= u:
+                ids += add(v)
+        ids += add(u)  # on demand: whatever of u's weights nobody prefetched
+        issue.append(tuple(ids))
+        need = [b for b in dict.fromkeys(batch_of[w] for w in streamed[u]) if b not in waited]
+        waited.update(need)
+        wait.append(tuple(need))
+    free: list[list[int]] = [[] for _ in range(n)]
+    for w, u in last_user.items():
+        free[u].append(w)
+    return StepActions(
+        resident=tuple(sorted(resident_w)),
+        batches=tuple(batches),
+        batch_unit=tuple(batch_unit),
+        start=tuple(start),
+        carry=tuple(carry),
+        issue=tuple(issue),
+        wait=tuple(wait),
+        free=tuple(tuple(sorted(f)) for f in free),
+        streamed_bytes=sum(nbytes[w] for w in batch_of),
+        resident_bytes=sum(resident_w.values()),
+    )
+
+
+def weight_owners(units: list[OffloadUnit]) -> dict[int, int]:
+    """Map each weight input index to its first user: the unit that copies it and counts its bytes."""
+    owner: dict[int, int] = {}
+    for u in units:
+        for w in u.weights:
+            owner.setdefault(w.input_index, u.index)
+    return owner
+
+
+def unit_profiles(units: list[OffloadUnit], compute_ms: list[float] | None = None) -> list[UnitProfile]:
+    """Scheduler profiles: bytes attributed to each weight's first user, alive until its last user."""
+    owner = weight_owners(units)
+    nbytes = [0] * len(units)
+    last = list(range(len(units)))
+    for u in units:
+        for w in u.weights:
+            o = owner[w.input_index]
+            if o == u.index:
+                nbytes[o] += w.nbytes
+            last[o] = max(last[o], u.index)
+    return [
+        UnitProfile(
+            index=i,
+            weight_bytes=nbytes[i],
+            compute_ms=float(compute_ms[i]) if compute_ms is not None else 0.0,
+            last_use=last[i] if last[i] != i else None,
+        )
+        for i in range(len(units))
+    ]

@@ -1,0 +1,91 @@
+"""The ``magi_offload`` torch.compile backend (entry point ``torch_dynamo_backends``).
+
+``torch.compile(model, backend="magi_offload", options={...})`` calls :func:`magi_offload_backend` with
+``options=`` as a keyword (torch 2.x passes non-empty ``options``, and ``mode`` when not "default", to
+every registered backend). Options are :class:`~magi_core.runtime.config.OffloadConfig` fields, plus
+``"config"`` (an ``OffloadConfig`` to start from); ``MAGI_OFFLOAD_*`` environment variables override both.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from magi_core.errors import ConfigError
+from magi_core.registry import get_backend
+from magi_core.runtime.config import OffloadConfig, resolve_config
+from magi_core.runtime.device_branches import warn_device_branches
+from magi_core.runtime.executor import OffloadExecutor
+from magi_core.runtime.lifecycle import OffloadLifecycle
+
+logger = logging.getLogger(__name__)
+
+_runtimes: list[weakref.ref[OffloadLifecycle]] = []
+#: How many graphs this backend compiled in this process (one per Dynamo compile).
+COMPILE_COUNT = 0
+
+
+def config_from_options(options: Mapping[str, Any] | OffloadConfig | None) -> OffloadConfig:
+    """The effective config from ``torch.compile`` options (``"config"`` key, fields) and the environment."""
+    if options is None or isinstance(options, OffloadConfig):
+        return resolve_config(options)
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"magi_offload options must be a dict of OffloadConfig fields, got {type(options).__name__}")
+    rest = dict(options)
+    base = rest.pop("config", None)
+    if base is not None and not isinstance(base, OffloadConfig):
+        raise ConfigError(f"magi_offload option 'config' must be an OffloadConfig, got {type(base).__name__}")
+    return resolve_config(base, rest)
+
+
+def build_runtime(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: OffloadConfig
+) -> OffloadLifecycle:
+    """Place ``gm`` on the backend's device, split it into units and wrap the executor in its warm-up lifecycle."""
+    from magi_core.passes.device_placement import place_on_device
+    from magi_core.passes.split import split_into_units
+
+    backend = get_backend()
+    device = backend.device()
+    warn_device_branches()
+    place_on_device(gm, device, backend.to_method_aliases, example_inputs=example_inputs)
+    split = split_into_units(gm, example_inputs, max_unit_bytes=config.max_unit_bytes)
+    executor = OffloadExecutor(
+        split, backend, device, unit_compiler=config.resolved_unit_compiler(backend.is_accelerator)
+    )
+    runtime = OffloadLifecycle(executor, config)
+    logger.info(
+        "magi offload: compiled a graph with %d inputs into %d units (%d weight bytes) on %s",
+        len(example_inputs), executor.n_units, split.weight_bytes, device,
+    )
+    return runtime
+
+
+def magi_offload_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Mapping[str, Any] | OffloadConfig | None = None,
+    mode: str | None = None,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+    """torch.compile backend: run ``gm`` with its weights streamed from host memory to the accelerator."""
+    global COMPILE_COUNT
+    if mode is not None:
+        logger.warning("magi_offload ignores torch.compile(mode=%r); use options={...} instead", mode)
+    if kwargs:
+        logger.warning("magi_offload ignores unknown backend arguments %s", sorted(kwargs))
+    runtime = build_runtime(gm, example_inputs, config_from_options(options))
+    COMPILE_COUNT += 1
+    _runtimes[:] = [r for r in _runtimes if r() is not None]
+    _runtimes.append(weakref.ref(runtime))
+    return runtime
+
+
+def live_runtimes() -> list[OffloadLifecycle]:
+    """Offload runtimes this process compiled that are still alive (for stats and tests)."""
+    return [r for r in (ref() for ref in _runtimes) if r is not None]

@@ -1,0 +1,243 @@
+"""The offload executor: runs a split graph unit by unit while weights stream in on a copy stream.
+
+Per step: inputs are prepared (:mod:`.inputs`), resident weights filled in (:mod:`.weights`), copy batches
+issued where the plan's precomputed action lists say (:mod:`.actions`), each unit launched on the compute
+stream after waiting on its weights' copy events only, and each streamed weight handed back after its last
+user with ``record_stream``. The warm-up state machine (:mod:`.lifecycle`) swaps in the static plan.
+
+Runs under ``torch.no_grad()``: the offload runtime is for inference.
+
+The host never runs more than :data:`HOST_LEAD_UNITS` units ahead of the device before issuing copies, so
+allocations of streamed weights stay within the plan's working set plus about one unit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from magi_core.backend import Backend
+from magi_core.passes.units import SplitGraph
+from magi_core.runtime.actions import StepActions, build_actions
+from magi_core.runtime.inputs import InputPreparer
+from magi_core.runtime.plan import Plan
+from magi_core.runtime.program import build_program
+from magi_core.runtime.unit_compile import unit_callable
+from magi_core.runtime.weights import RESIDENT, CopyEngine, ResidentSet, ResidentStore
+
+logger = logging.getLogger(__name__)
+
+#: Before issuing copies at unit ``i``, the host waits until unit ``i - HOST_LEAD_UNITS`` has finished.
+HOST_LEAD_UNITS = 2
+
+
+class UnitTimerLike:
+    """What the executor needs of a unit timer: ``start(i)`` / ``stop(i)`` around each unit's launch."""
+
+    def start(self, index: int) -> None:  # pragma: no cover - protocol
+        """Mark the start of unit ``index`` on the compute stream."""
+
+    def stop(self, index: int) -> None:  # pragma: no cover - protocol
+        """Mark the end of unit ``index`` on the compute stream."""
+
+
+@dataclass
+class _Carry:
+    hosts: list[torch.Tensor]
+    devs: list[torch.Tensor]
+    event: Any
+
+
+@dataclass
+class StepStats:
+    """Counters of the executor (cumulative): steps, bytes streamed and copies issued."""
+
+    steps: int = 0
+    streamed_bytes: int = 0
+    streamed_copies: int = 0
+
+
+class OffloadExecutor:
+    """Callable that runs one split graph with streamed weights; ``set_plan`` installs a transfer plan."""
+
+    def __init__(
+        self,
+        split: SplitGraph,
+        backend: Backend,
+        device: torch.device,
+        unit_compiler: str = "eager",
+        store: ResidentStore | None = None,
+    ) -> None:
+        self.split = split
+        self.backend = backend
+        self.device = device
+        self.units = split.units
+        self.n_units = len(split.units)
+        self.program = build_program(split)
+        weight_inputs = frozenset(w.input_index for u in split.units for w in u.weights) | frozenset(split.weights)
+        self.weight_inputs = weight_inputs
+        self.inputs = InputPreparer(device, self.program.n_inputs, sorted(weight_inputs))
+        self.copier = CopyEngine(backend, device)
+        dm = backend.device_module
+        self._current_stream = dm.current_stream
+        self._done = [dm.Event() for _ in range(self.n_units)]
+        self._store = store if store is not None else RESIDENT
+        self.fns: list[Callable[..., Any]] = [
+            unit_callable(u.module, u.attr, unit_compiler, self._installer(u.index)) for u in split.units
+        ]
+        template: list[Any] = [None] * self.program.n_slots
+        for s, value in self.program.constants:
+            template[s] = value
+        self._template = template
+        self._range_names = tuple(f"magi.unit{u.index}:{getattr(u, 'label', '') or u.attr}" for u in split.units)
+        self._carry: dict[int, _Carry] = {}
+        self.stats = StepStats()
+        self.plan: Plan | None = None
+        self.actions: StepActions | None = None
+        self.resident: ResidentSet | None = None
+        self._sync_before: tuple[int, ...] = ()
+
+    def _installer(self, index: int) -> Callable[[Callable[..., Any]], None]:
+        def install(fn: Callable[..., Any]) -> None:
+            self.fns[index] = fn
+
+        return install
+
+    # -- plan -----------------------------------------------------------------------------------------
+    def set_plan(self, plan: Plan) -> StepActions:
+        """Install ``plan``: precompute its action lists and acquire its resident weights lazily."""
+        actions = build_actions(self.units, plan)
+        old = self.resident
+        self.resident = ResidentSet(self._store, self.device, actions.resident)
+        if old is not None:
+            old.close()
+        self._carry = {}
+        self.plan = plan
+        self.actions = actions
+        n = self.n_units
+        # positions that issue copies: the host first waits for the unit HOST_LEAD_UNITS before them
+        sync = [-1] * n
+        for u in range(n):
+            if actions.issue[u] or (u == n - 1 and actions.carry):
+                sync[u] = u - HOST_LEAD_UNITS
+        self._sync_before = tuple(sync)
+        self._record_done = tuple(any(s == u for s in sync) for u in range(n))
+        logger.debug(
+            "magi offload plan %s: %d resident weights (%d B), %d B streamed per step in %d batches",
+            plan.policy, len(actions.resident), actions.resident_bytes, actions.streamed_bytes, len(actions.batches),
+        )
+        return actions
+
+    def close(self) -> None:
+        """Release resident weights and carried prefetches."""
+        if self.resident is not None:
+            self.resident.close()
+        self._carry = {}
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- one step -------------------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> Any:
+        """Run one step with the installed plan."""
+        return self.run(args, None)
+
+    def run(self, args: Sequence[Any], timer: UnitTimerLike | None) -> Any:
+        """Run one step; ``timer`` (profiling calls only) brackets every unit on the compute stream."""
+        actions = self.actions
+        resident = self.resident
+        if actions is None or resident is None:
+            raise RuntimeError("OffloadExecutor.run called before set_plan(); install a plan first")
+        with torch.no_grad():
+            env = self._template.copy()
+            self.inputs.fill(args, env)
+            compute = self._current_stream()
+            resident.fill(args, env, self.copier, compute)
+            events: list[Any] = [None] * len(actions.batches)
+            self._start(args, env, events, actions)
+            self._units(args, env, events, actions, compute, timer)
+            self.stats.steps += 1
+            return self.program.build_output(env)
+
+    def _start(self, args: Sequence[Any], env: list[Any], events: list[Any], actions: StepActions) -> None:
+        carry, self._carry = self._carry, {}
+        batches = actions.batches
+        for b in actions.start:
+            c = carry.get(b)
+            ws = batches[b]
+            if c is not None and all(args[w] is h for w, h in zip(ws, c.hosts, strict=True)):
+                for w, t in zip(ws, c.devs, strict=True):
+                    env[w] = t
+                events[b] = c.event
+            else:
+                self._issue(b, args, env, events, batches)
+
+    def _issue(self, b: int, args: Sequence[Any], env: list[Any], events: list[Any], batches: Any) -> None:
+        ws = batches[b]
+        devs, ev = self.copier.copy_batch([args[w] for w in ws])
+        for w, t in zip(ws, devs, strict=True):
+            env[w] = t
+        events[b] = ev
+
+    def _issue_carry(self, args: Sequence[Any], actions: StepActions) -> None:
+        for b in actions.carry:
+            hosts = [args[w] for w in actions.batches[b]]
+            devs, ev = self.copier.copy_batch(hosts)
+            self._carry[b] = _Carry(hosts, devs, ev)
+
+    def _units(
+        self,
+        args: Sequence[Any],
+        env: list[Any],
+        events: list[Any],
+        actions: StepActions,
+        compute: Any,
+        timer: UnitTimerLike | None,
+    ) -> None:
+        layouts = self.program.units
+        fns = self.fns
+        done = self._done
+        sync_before = self._sync_before
+        record_done = self._record_done
+        batches = actions.batches
+        release = self.copier.release
+        range_push, range_pop = self.backend.range_push, self.backend.range_pop
+        names = self._range_names
+        last = self.n_units - 1
+        for u, lay in enumerate(layouts):
+            issue = actions.issue[u]
+            if sync_before[u] >= 0:
+                done[sync_before[u]].synchronize()
+            for b in issue:
+                self._issue(b, args, env, events, batches)
+            if u == last and actions.carry:
+                self._issue_carry(args, actions)
+            for b in actions.wait[u]:
+                compute.wait_event(events[b])
+            range_push(names[u])
+            if timer is not None:
+                timer.start(u)
+            result = fns[u](*[env[s] for s in lay.arg_slots])
+            if timer is not None:
+                timer.stop(u)
+            range_pop()
+            if record_done[u]:
+                done[u].record(compute)
+            if lay.result_slot is not None:
+                env[lay.result_slot] = result
+            for idx, dst in lay.getitems:
+                env[dst] = result[idx]
+            for w in actions.free[u]:
+                release(env[w], compute)
+                env[w] = None
+            for s in lay.drop_after:
+                env[s] = None
+        self.stats.streamed_bytes = self.copier.bytes_copied
+        self.stats.streamed_copies = self.copier.copies
