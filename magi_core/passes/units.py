@@ -18,6 +18,8 @@ class WeightSlot:
     dtype: torch.dtype
     nbytes: int
     users: tuple[int, ...]
+    #: True for a static module buffer rather than an ``nn.Parameter``.
+    is_buffer: bool = False
 
 
 @dataclass
@@ -29,6 +31,10 @@ class OffloadUnit:
     node: torch.fx.Node
     module: torch.fx.GraphModule
     weights: tuple[WeightSlot, ...]
+    #: What the unit holds, for logs: ``pre``, ``layers.3``, ``layers.0..layers.1``, ``layers.2[1/3]``, ``post``.
+    label: str = ""
+    #: For each of ``weights`` (same order), its position among ``node.args`` / the unit's placeholders.
+    weight_arg_positions: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -43,6 +49,8 @@ class SplitGraph:
     graph_module: torch.fx.GraphModule
     units: list[OffloadUnit]
     weights: dict[int, WeightSlot] = field(default_factory=dict)
+    #: Dotted path of the repeated-block container the default split followed (None: none found).
+    container: str | None = None
 
     @property
     def weight_bytes(self) -> int:
