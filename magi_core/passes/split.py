@@ -92,8 +92,12 @@ class _Splitter:
         self.container_name: str | None = None
 
     # -- sizes ------------------------------------------------------------------------------------
+    def _example(self, index: int) -> Any:
+        inputs = self.example_inputs
+        return inputs[index] if inputs is not None and index < len(inputs) else None
+
     def _nbytes(self, index: int) -> int:
-        ex = self.example_inputs[index] if self.example_inputs is not None and index < len(self.example_inputs) else None
+        ex = self._example(index)
         value = ex if isinstance(ex, torch.Tensor) else node_value(self.placeholders[index])
         return tensor_nbytes(value) if isinstance(value, torch.Tensor) else 0
 
@@ -286,7 +290,7 @@ class _Splitter:
         slots: dict[int, WeightSlot] = {}
         for i in sorted(self.weight_kind):
             value = node_value(self.placeholders[i])
-            ex = self.example_inputs[i] if self.example_inputs is not None and i < len(self.example_inputs) else None
+            ex = self._example(i)
             ref = ex if isinstance(ex, torch.Tensor) else value
             slots[i] = WeightSlot(
                 input_index=i,
