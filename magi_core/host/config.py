@@ -1,0 +1,136 @@
+"""Options of the host-memory layer (:class:`HostOptions`) and the environment variables behind them.
+
+Environment variables (read when :meth:`HostOptions.resolve` runs; an explicit field wins):
+
+``MAGI_EP_SIZE``
+    Expert-parallel size; see :mod:`magi_core.host.topology` for the full order of precedence.
+``MAGI_SKIP_SHM=1``
+    Keep plain host tensors: no shared-memory file, no pinning (hosts too small for either).
+``MAGI_PIN_CONCURRENCY=N``
+    How many ranks of a node pin at once (default: available host memory / 2 / per-rank bytes, min 1).
+``MAGI_PIN_BUDGET_GB=X``
+    Pin only the first X GiB (2**30 bytes) of each rank's weights; the rest stays pageable.
+``MAGI_SHM_DIR=PATH``
+    Directory of the shared-memory files (default ``/dev/shm``); tests point it at a private directory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from magi_core.errors import ConfigError
+
+ENV_EP_SIZE = "MAGI_EP_SIZE"
+ENV_SKIP_SHM = "MAGI_SKIP_SHM"
+ENV_PIN_CONCURRENCY = "MAGI_PIN_CONCURRENCY"
+ENV_PIN_BUDGET_GB = "MAGI_PIN_BUDGET_GB"
+ENV_SHM_DIR = "MAGI_SHM_DIR"
+DEFAULT_SHM_DIR = "/dev/shm"
+GIB = 1 << 30
+
+MismatchPolicy = Literal["error", "per_rank"]
+
+
+def _env_bool(name: str) -> bool | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+
+
+def _env_int(name: str, minimum: int) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; set a whole number >= {minimum} or unset it") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} is below {minimum}; set a whole number >= {minimum} or unset it")
+    return value
+
+
+def _env_gib(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of GiB; set e.g. {name}=40 or unset it") from None
+    if value < 0:
+        raise ConfigError(f"{name}={raw!r} is negative; set a number of GiB >= 0 or unset it")
+    return int(value * GIB)
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """How :func:`magi_core.host.materialize` lays out, shares and pins host weights (None = env or default)."""
+
+    #: Expert-parallel size (> 1: one file per rank). None: ``MAGI_EP_SIZE``, then launcher variables, else 1.
+    ep_size: int | None = None
+    #: Keep plain host tensors, no shared memory and no pinning. None: ``MAGI_SKIP_SHM``, else False.
+    skip_shm: bool | None = None
+    #: Pin (register in place) the mappings through the backend.
+    pin: bool = True
+    #: Ranks of a node pinning at once. None: ``MAGI_PIN_CONCURRENCY``, else host memory / 2 / per-rank bytes.
+    pin_concurrency: int | None = None
+    #: Pin at most this many bytes per rank (first bytes of the arenas). None: ``MAGI_PIN_BUDGET_GB``, else all.
+    pin_budget_bytes: int | None = None
+    #: Directory of the shared-memory files. None: ``MAGI_SHM_DIR``, else ``/dev/shm``.
+    shm_dir: str | None = None
+    #: Show tqdm progress bars. None: only when stderr is a terminal.
+    progress: bool | None = None
+    #: Ranks that would share a file but hold different weights: raise ("error") or use own files ("per_rank").
+    on_mismatch: MismatchPolicy = "error"
+    #: Elements sampled per tensor for the cross-rank fingerprint.
+    fingerprint_samples: int = 64
+    #: Byte alignment of every tensor inside an arena.
+    alignment: int = 256
+    #: Remove files of crashed runs (dead owner process) from the shm directory before creating ours.
+    cleanup_stale: bool = True
+    #: TEST ONLY: ignore the EP size and the fingerprint check and share one file anyway (the old, corrupting way).
+    _unsafe_share_across_ranks: bool = False
+
+    def resolve(self) -> HostOptions:
+        """A copy with every None filled from the environment or the default; validates the values."""
+        from magi_core.host.topology import resolve_ep_size
+
+        skip = self.skip_shm if self.skip_shm is not None else bool(_env_bool(ENV_SKIP_SHM))
+        conc = self.pin_concurrency if self.pin_concurrency is not None else _env_int(ENV_PIN_CONCURRENCY, 1)
+        budget = self.pin_budget_bytes if self.pin_budget_bytes is not None else _env_gib(ENV_PIN_BUDGET_GB)
+        shm_dir = self.shm_dir or os.environ.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR
+        resolved = replace(
+            self,
+            ep_size=resolve_ep_size(self.ep_size),
+            skip_shm=skip,
+            pin_concurrency=conc,
+            pin_budget_bytes=budget,
+            shm_dir=shm_dir,
+        )
+        resolved.validate()
+        return resolved
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the bad field and what to set instead."""
+        if self.ep_size is not None and self.ep_size < 1:
+            raise ConfigError(f"HostOptions.ep_size={self.ep_size}: must be >= 1")
+        if self.pin_concurrency is not None and self.pin_concurrency < 1:
+            raise ConfigError(f"HostOptions.pin_concurrency={self.pin_concurrency}: must be >= 1 (or None for auto)")
+        if self.pin_budget_bytes is not None and self.pin_budget_bytes < 0:
+            raise ConfigError(f"HostOptions.pin_budget_bytes={self.pin_budget_bytes}: must be >= 0 (or None for all)")
+        if self.on_mismatch not in ("error", "per_rank"):
+            raise ConfigError(f"HostOptions.on_mismatch={self.on_mismatch!r}: use 'error' or 'per_rank'")
+        if self.fingerprint_samples < 1:
+            raise ConfigError(f"HostOptions.fingerprint_samples={self.fingerprint_samples}: must be >= 1")
+        a = self.alignment
+        if a < 64 or a & (a - 1):
+            raise ConfigError(f"HostOptions.alignment={a}: use a power of two >= 64 (default 256)")

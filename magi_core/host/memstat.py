@@ -1,0 +1,57 @@
+"""Host memory figures read from procfs (Linux); missing files give empty results."""
+
+from __future__ import annotations
+
+import os
+
+_ROLLUP_KEYS = ("Anonymous", "Pss_Shmem", "Rss")
+_MEMINFO_KEYS = ("MemTotal", "MemAvailable", "Shmem")
+
+
+def _read_kb(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in keys:
+                    out[name] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def process_memory(pid: int | None = None) -> dict[str, int]:
+    """``Anonymous``, ``Pss_Shmem`` and ``Rss`` bytes of a process (this one by default)."""
+    return _read_kb(f"/proc/{pid or 'self'}/smaps_rollup", _ROLLUP_KEYS)
+
+
+def anonymous_bytes() -> int:
+    """Anonymous memory of this process (counts private heap pages; not file-backed shared memory)."""
+    return process_memory().get("Anonymous", 0)
+
+
+def system_memory() -> dict[str, int]:
+    """``MemTotal``, ``MemAvailable`` and ``Shmem`` bytes of the host."""
+    return _read_kb("/proc/meminfo", _MEMINFO_KEYS)
+
+
+def available_bytes() -> int:
+    """Host memory available to new allocations (MemAvailable; falls back to physical pages)."""
+    avail = system_memory().get("MemAvailable")
+    if avail is not None:
+        return avail
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def snapshot() -> dict[str, int]:
+    """Process and host memory together, for log lines and reports."""
+    return {**process_memory(), **{f"host_{k}": v for k, v in system_memory().items()}}
+
+
+def fmt(snap: dict[str, int]) -> str:
+    """A short human-readable form of :func:`snapshot`."""
+    return ", ".join(f"{k}={v / 2**30:.2f}GiB" for k, v in snap.items())

@@ -1,0 +1,110 @@
+"""Host materialisation across ranks (torchrun, gloo): per-rank files under EP, one shared file under EP 1,
+mismatch detection, and cleanup after a rank is killed mid-materialisation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from host_workers.common import results, shm_dir_fixture, torchrun  # noqa: F401  (fixture)
+from torch import nn
+
+from magi_core.host import HostOptions, materialize, shm
+
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                 reason="needs torch.distributed with gloo")]
+
+
+def _run(nproc: int, args: list[str], shm_dir: str, tmp_path: Path, **env: str) -> list[dict]:
+    proc = torchrun(nproc, args, shm_dir, tmp_path, **env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return results(tmp_path, nproc)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ep2_every_rank_keeps_its_own_experts(nproc: int, shm_dir: str, tmp_path: Path) -> None:
+    recs = _run(nproc, ["--scenario", "ep"], shm_dir, tmp_path, MAGI_EP_SIZE="2")
+    assert len({r["experts_before"] for r in recs}) == nproc  # the shards really differ
+    for r in recs:
+        assert r["experts_after"] == r["experts_before"], f"rank {r['rank']} lost its expert shard"
+        assert r["dense_after"] == r["dense_before"]
+        assert r["mode"] == "per_rank" and r["identity_kept"] and r["files_unlinked"]
+        assert set(r["file_modes"]) <= {0o600}  # per-rank files are unlinked as soon as they are mapped
+        assert r["registered"] > 0 and r["registered_after_release"] == 0 and r["dir_after"] == []
+    inodes = [tuple(r["inodes"]) for r in recs]
+    assert len(set(inodes)) == nproc  # one set of files per rank
+
+
+def test_shared_file_across_ep_corrupts_experts(shm_dir: str, tmp_path: Path) -> None:
+    """The per-rank switch forced off: rank 1 silently gets rank 0's experts (the old bug the test above catches)."""
+    recs = _run(2, ["--scenario", "ep", "--unsafe"], shm_dir, tmp_path, MAGI_EP_SIZE="2")
+    assert recs[0]["mode"] == "shared" and recs[0]["inodes"] == recs[1]["inodes"]
+    assert recs[1]["experts_after"] != recs[1]["experts_before"]
+    assert recs[1]["experts_after"] == recs[0]["experts_before"]
+
+
+def test_ep1_one_shared_file_one_copy_in_memory(shm_dir: str, tmp_path: Path) -> None:
+    recs = _run(2, ["--scenario", "shared", "--dense-mb", "16"], shm_dir, tmp_path)
+    assert recs[0]["mode"] == recs[1]["mode"] == "shared"
+    assert recs[0]["inodes"] == recs[1]["inodes"]
+    weights = recs[0]["weight_bytes"]
+    shmem = sum(r["pss_shmem"] for r in recs)  # proportional share: a page mapped by both counts once in total
+    assert 0.9 * weights <= shmem <= 1.2 * weights, (shmem, weights)
+    for r in recs:
+        assert r["dense_after"] == r["dense_before"] and r["experts_after"] == r["experts_before"]
+        assert r["file_modes"] == [0o600] and r["files_unlinked"] and r["dir_after"] == []
+        assert r["registered_after_release"] == 0
+
+
+def test_ep1_per_rank_files_cost_n_copies(shm_dir: str, tmp_path: Path) -> None:
+    """The same measurement tells the shared layout from per-rank files (so the test above can fail)."""
+    recs = _run(2, ["--scenario", "shared", "--dense-mb", "16"], shm_dir, tmp_path, MAGI_EP_SIZE="2")
+    shmem = sum(r["pss_shmem"] for r in recs)
+    assert shmem >= 1.8 * recs[0]["weight_bytes"]
+
+
+def test_ep1_mismatched_weights_detected(shm_dir: str, tmp_path: Path) -> None:
+    recs = _run(2, ["--scenario", "mismatch"], shm_dir, tmp_path)
+    for r in recs:
+        assert r["error"] == "WeightMismatchError"
+        assert "experts" in r["message"] and "MAGI_EP_SIZE" in r["message"]
+        assert r["unchanged_after_error"] and r["files_after_error"] == []
+        # on_mismatch='per_rank': the differing rank gets its own file, nothing replaced
+        assert r["experts_after"] == r["experts_before"]
+        assert r["mode"] == "per_rank"
+    assert recs[0]["inodes"] != recs[1]["inodes"]
+
+
+def test_killed_rank_files_removed_at_next_start_live_ones_kept(shm_dir: str, tmp_path: Path) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        start = shm.process_start_time(sleeper.pid)
+        assert start is not None
+        live = os.path.join(shm_dir, shm.file_name(shm.Owner(sleeper.pid, start, "other", "abc123"), "node0-float32"))
+        with open(live, "wb") as f:
+            f.write(b"x")
+        proc = torchrun(2, ["--scenario", "crash"], shm_dir, tmp_path)
+        assert proc.returncode != 0
+        left = sorted(set(os.listdir(shm_dir)) - {os.path.basename(live)})
+        assert left, "the killed writer should have left its file behind"
+        for name in left:
+            fields = shm.parse_name(name)
+            assert fields is not None and not shm.pid_alive(int(fields["pid"]), int(fields["start"]))
+        model = nn.Linear(4, 4)
+        with materialize(model, options=HostOptions(progress=False)) as hw:
+            removed = sorted(os.path.basename(p) for p in hw.report["stale_removed"])
+        assert removed == left
+        assert os.listdir(shm_dir) == [os.path.basename(live)]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    deadline = time.monotonic() + 10
+    while shm.process_start_time(sleeper.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shm.cleanup_stale(shm_dir) == [live]
