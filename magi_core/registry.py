@@ -251,10 +251,10 @@ def _probe(rec: BackendRecord) -> None:
 
 def available_accelerator() -> str | None:
     """The device type of the accelerator torch was built for and sees at run time, or None."""
-    accel = torch.accelerator.current_accelerator(check_available=False)
+    accel = torch.accelerator.current_accelerator()
     if accel is None:
         return None
-    return accel.type if torch.accelerator.current_accelerator(check_available=True) is not None else None
+    return accel.type if torch.accelerator.is_available() else None
 
 
 class Registry:
@@ -320,11 +320,14 @@ class Registry:
                                previous.name, backend.name, previous.name)
             return backend
 
-    def choose(self) -> tuple[BackendRecord, str]:
-        """Pick the backend record and say why: ``explicit``, ``env`` or ``probe`` (raises :class:`BackendError`)."""
+    def choose(self, explicit: str | None = None) -> tuple[BackendRecord, str]:
+        """Pick the backend record and say why: ``explicit``, ``env`` or ``probe`` (raises :class:`BackendError`).
+
+        ``explicit`` previews a :meth:`use` of that name without changing the selection.
+        """
         with self._lock:
             records = self.records()
-            wanted, how = self._explicit, "explicit"
+            wanted, how = explicit or self._explicit, "explicit"
             if wanted is None and os.environ.get(ENV_BACKEND, "").strip():
                 wanted, how = os.environ[ENV_BACKEND].strip(), "env"
             if wanted is None:
@@ -397,13 +400,13 @@ class Registry:
             )
         return top[0]
 
-    def selection(self) -> Selection:
+    def selection(self, explicit: str | None = None) -> Selection:
         """Which backend :meth:`choose` picks and why, or the error it raises, without building the facade."""
         with self._lock:
-            if self._active is not None:
+            if self._active is not None and explicit is None:
                 return Selection(name=self._active.name, selected_by=self._active.selected_by)
         try:
-            rec, how = self.choose()
+            rec, how = self.choose(explicit)
         except BackendError as exc:
             return Selection(name=None, selected_by=None, error=str(exc))
         return Selection(name=rec.name, selected_by=how)
@@ -493,9 +496,9 @@ def list_backends() -> list[BackendRecord]:
     return [records[k] for k in sorted(records)]
 
 
-def current_selection() -> Selection:
-    """Which backend is (or would be) selected and why, or the selection error, without raising."""
-    return REGISTRY.selection()
+def current_selection(explicit: str | None = None) -> Selection:
+    """Which backend is (or would be, with ``explicit`` as if passed to :func:`use_backend`) selected and why."""
+    return REGISTRY.selection(explicit)
 
 
 __all__ = [

@@ -1,0 +1,217 @@
+"""The ``magi`` command: ``magi backends [--json]``, ``magi demo``, ``magi bench``, ``magi --version``.
+
+``demo`` and ``bench`` live in :mod:`magi_core.demo` and :mod:`magi_core.bench`; each module provides
+``add_arguments(parser)`` and ``main(args) -> int`` and is imported only when its subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+#: Subcommands served by other modules: name -> (module, one-line help).
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("magi_core.demo", "run the demo job: a model offloaded with magi-core"),
+    "bench": ("magi_core.bench", "run the benchmarks"),
+}
+
+#: Exit codes.
+EXIT_OK, EXIT_SELECTION_ERROR, EXIT_UNAVAILABLE = 0, 1, 2
+
+_SELECTED_BY_TEXT = {
+    "explicit": "explicit choice (use_backend / --backend)",
+    "env": "the MAGI_BACKEND environment variable",
+    "probe": "probe: the highest-priority available backend",
+}
+
+
+def version_text() -> str:
+    """``magi-core X (hook spec Y, torch Z)``."""
+    import torch
+
+    from magi_core import __version__
+    from magi_core.hookspecs import HOOKSPEC_VERSION
+
+    return f"magi-core {__version__} (hook spec {HOOKSPEC_VERSION}, torch {torch.__version__})"
+
+
+def backends_report(explicit: str | None = None) -> dict[str, Any]:
+    """Every discovered backend and the selection (or its error), as a JSON-ready dict."""
+    import torch
+
+    from magi_core import __version__
+    from magi_core.hookspecs import HOOKSPEC_VERSION
+    from magi_core.registry import current_selection, list_backends
+
+    records = list_backends()
+    selection = current_selection(explicit)
+    return {
+        "magi_core_version": __version__,
+        "hookspec_version": HOOKSPEC_VERSION,
+        "torch_version": torch.__version__,
+        "selected": selection.name,
+        "selected_by": selection.selected_by,
+        "selection_error": selection.error,
+        "backends": [r.to_dict(selected=r.name == selection.name) for r in records],
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable form of :func:`backends_report`."""
+    lines = [
+        f"magi-core {report['magi_core_version']}, hook spec {report['hookspec_version']}, "
+        f"torch {report['torch_version']}",
+        "",
+    ]
+    rows = [("", "NAME", "PACKAGE", "DEVICE", "PRIORITY", "STATUS")]
+    for b in report["backends"]:
+        rows.append((
+            "*" if b["selected"] else "",
+            b["name"],
+            f"{b['package']} {b['package_version']}",
+            b["device_type"] or "-",
+            "-" if b["priority"] is None else str(b["priority"]),
+            "available" if b["available"] else f"unavailable: {b['why_unavailable']}",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    if not report["backends"]:
+        lines.append("  (no backend installed under the entry-point group magi.backends)")
+    lines.append("")
+    for b in report["backends"]:
+        details = [
+            f"entry point {b['entry_point']}",
+            f"backend version {b['version'] or '-'}",
+            f"hook-spec versions {', '.join(b['hookspec_versions']) or '-'}",
+            "optional hooks missing: " + (", ".join(b["missing_optional_hooks"]) or "none"),
+        ]
+        if b["missing_required_hooks"]:
+            details.append("REQUIRED hooks missing: " + ", ".join(b["missing_required_hooks"]))
+        if b["unknown_hooks"]:
+            details.append("unknown hooks: " + ", ".join(b["unknown_hooks"]))
+        lines.append(f"{b['name']}: " + "; ".join(details))
+    lines.append("")
+    if report["selection_error"]:
+        lines.append(f"selection error: {report['selection_error']}")
+    else:
+        how = _SELECTED_BY_TEXT.get(report["selected_by"], report["selected_by"])
+        lines.append(f"selected: {report['selected']} (by {how})")
+    return "\n".join(lines)
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    """``magi backends``: list every backend and the selection; exit 1 when selection fails."""
+    report = backends_report(args.backend)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    if report["selection_error"]:
+        if args.json:
+            print(f"magi: selection error: {report['selection_error']}", file=sys.stderr)
+        return EXIT_SELECTION_ERROR
+    return EXIT_OK
+
+
+def load_command_module(name: str) -> ModuleType | None:
+    """Import the module behind a lazy subcommand; None when that module is not part of this install."""
+    module_name = LAZY_COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (exc.name == module_name or module_name.startswith(exc.name + ".")):
+            return None
+        raise
+    if not (callable(getattr(module, "add_arguments", None)) and callable(getattr(module, "main", None))):
+        return None
+    return module
+
+
+def build_parser(lazy: dict[str, ModuleType | None] | None = None) -> argparse.ArgumentParser:
+    """The argument parser; ``lazy`` holds the already-imported module of the subcommand being run."""
+    parser = argparse.ArgumentParser(
+        prog="magi", description="magi-core: run torch.compile'd models whose weights live in host memory."
+    )
+    parser.add_argument("--version", action="store_true", help="print magi-core, hook-spec and torch versions")
+    parser.add_argument("--backend", metavar="NAME", default=None,
+                        help="use this backend (like magi_core.use_backend; beats MAGI_BACKEND)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("backends", help="list discovered backends and which one is selected, and why")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_backends)
+    for name, (module_name, help_text) in LAZY_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=f"{help_text} ({module_name})")
+        module = (lazy or {}).get(name)
+        if module is not None:
+            module.add_arguments(p)
+        p.set_defaults(lazy_command=name)
+    return parser
+
+
+def _subcommand(argv: Sequence[str]) -> str | None:
+    """The first positional word of argv (skipping ``--backend NAME``), if it names a lazy subcommand."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--backend":
+            skip = True
+        elif not word.startswith("-"):
+            return word if word in LAZY_COMMANDS else None
+    return None
+
+
+def _configure_logging(verbose: int) -> None:
+    from magi_core.registry import tracing_enabled
+
+    level = logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 or tracing_enabled() else logging.WARNING
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``magi`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    lazy_name = _subcommand(argv)
+    lazy: dict[str, ModuleType | None] = {}
+    if lazy_name is not None:
+        lazy[lazy_name] = load_command_module(lazy_name)
+        if lazy[lazy_name] is None:
+            module_name = LAZY_COMMANDS[lazy_name][0]
+            print(f"magi {lazy_name}: not available in this install ({module_name} is missing or lacks "
+                  f"add_arguments()/main()); update magi-core, or run `magi backends`", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+    parser = build_parser(lazy)
+    args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
+    if args.version:
+        print(version_text())
+        return EXIT_OK
+    if args.command is None:
+        parser.print_help()
+        return EXIT_UNAVAILABLE
+    if lazy_name is not None and args.command == lazy_name:
+        module = lazy[lazy_name]
+        assert module is not None
+        if args.backend is not None:
+            from magi_core.errors import BackendError
+            from magi_core.registry import use_backend
+
+            try:
+                use_backend(args.backend)
+            except BackendError as exc:
+                print(f"magi: {exc}", file=sys.stderr)
+                return EXIT_SELECTION_ERROR
+        return int(module.main(args))
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

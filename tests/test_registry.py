@@ -1,0 +1,337 @@
+"""Backend discovery and selection, through real entry points (fake backends are real dist-info folders)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from helpers.fake_backends import add_backend, select_and_list, write_dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+import magi_core
+from magi_core import cpu_backend
+from magi_core.errors import BackendError
+from magi_core.hookspecs import HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
+from magi_core.registry import (
+    ENV_BACKEND,
+    ENV_TRACE,
+    OPTIONAL_HOOKS,
+    REGISTRY,
+    BackendRecord,
+    Registry,
+    available_accelerator,
+    spec_major,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
+    """A fresh registry over the installed backends, with no MAGI_* variables set."""
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    monkeypatch.delenv(ENV_TRACE, raising=False)
+    return Registry()
+
+
+@pytest.fixture
+def fresh_global_registry(monkeypatch: pytest.MonkeyPatch):
+    """Reset the process-wide registry before and after (use_backend / get_backend act on it)."""
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    REGISTRY.reset()
+    yield REGISTRY
+    REGISTRY.reset()
+
+
+# -- the real, installed CPU backend -------------------------------------------------------------
+
+def test_cpu_backend_is_discovered_through_its_entry_point(registry: Registry) -> None:
+    rec = registry.records()["cpu"]
+    assert rec.entry_point == "magi_core.cpu_backend"
+    assert rec.plugin is cpu_backend
+    assert rec.package == "magi-core"
+    assert rec.package_version == magi_core.__version__
+    assert rec.spec_versions == ("1",)
+    assert rec.missing_required == ()
+    assert set(rec.missing_optional) == {"magi_range_push", "magi_range_pop"}
+    assert rec.available and rec.why_unavailable is None
+    assert rec.probe is not None and rec.probe.device_type == "cpu" and rec.probe.priority == 0
+
+
+def test_discovery_runs_once_per_registry(registry: Registry) -> None:
+    assert registry.records() is registry.records()
+    registry.reset()
+    assert registry.records()["cpu"].available
+
+
+@pytest.mark.skipif(available_accelerator() is not None, reason="an accelerator is present: cpu is not the default")
+def test_cpu_is_chosen_by_probe_without_accelerator_and_logged_once(
+    registry: Registry, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="magi_core.registry"):
+        backend = registry.active()
+        assert registry.active() is backend
+        registry.use(None)
+        registry.active()
+    assert (backend.name, backend.selected_by, backend.device_type) == ("cpu", "probe", "cpu")
+    assert not backend.is_accelerator
+    cpu_logs = [r for r in caplog.records if "CPU backend" in r.getMessage()]
+    assert len(cpu_logs) == 1 and cpu_logs[0].levelno == logging.WARNING
+
+
+def test_env_selects_and_explicit_beats_env(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_BACKEND, "cpu")
+    assert registry.active().selected_by == "env"
+    monkeypatch.setenv(ENV_BACKEND, "nosuch")
+    backend = registry.use("cpu")
+    assert backend is not None and backend.selected_by == "explicit"
+    assert registry.selection().name == "cpu" and registry.selection().selected_by == "explicit"
+
+
+def test_env_nosuch_lists_installed_backends(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_BACKEND, "nosuch")
+    with pytest.raises(BackendError) as err:
+        registry.active()
+    msg = str(err.value)
+    assert "'nosuch'" in msg and "MAGI_BACKEND=nosuch" in msg
+    for name in registry.records():
+        assert name in msg
+    assert f"unset {ENV_BACKEND}" in msg and "magi-backend-nosuch" in msg
+    sel = registry.selection()
+    assert sel.name is None and sel.error == msg
+
+
+def test_failed_use_backend_keeps_previous_selection(fresh_global_registry: Registry) -> None:
+    first = magi_core.use_backend("cpu")
+    with pytest.raises(BackendError, match="'nosuch'.*not installed"):
+        magi_core.use_backend("nosuch")
+    assert magi_core.get_backend() is first
+    assert magi_core.use_backend(None) is None
+    assert magi_core.get_backend().selected_by in ("probe", "env")
+
+
+def test_facade_routes_to_the_selected_backend(registry: Registry) -> None:
+    backend = registry.use("cpu")
+    assert backend is not None
+    assert backend.to_method_aliases == ("to",)
+    assert backend.device_module.current_stream() is backend.device_module.current_stream()
+    ptr, nbytes = 0x7F00_0000, 4096
+    backend.host_register(ptr, nbytes)
+    backend.host_register(ptr, nbytes)  # "already registered" is success
+    assert cpu_backend.registered_ranges()[ptr] == nbytes
+    backend.host_unregister(ptr)
+    assert ptr not in cpu_backend.registered_ranges()
+    with pytest.raises(magi_core.HostRegisterError):
+        backend.host_unregister(ptr)
+    with backend.range("noop"):  # cpu has no ranges: a clean no-op
+        pass
+
+
+def test_record_call_of_missing_hook_says_so(registry: Registry) -> None:
+    with pytest.raises(BackendError, match="does not implement hook 'magi_range_push'"):
+        registry.records()["cpu"].call("magi_range_push", name="x")
+
+
+def test_list_backends_is_sorted_and_public(fresh_global_registry: Registry) -> None:
+    names = [r.name for r in magi_core.list_backends()]
+    assert names == sorted(names) and "cpu" in names
+
+
+# -- MAGI_TRACE_HOOKS --------------------------------------------------------------------------
+
+def _trace_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("hook trace")]
+
+
+def test_trace_hooks_logs_every_hook_call(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(ENV_TRACE, "1")
+    monkeypatch.setenv(ENV_BACKEND, "cpu")
+    with caplog.at_level(logging.INFO, logger="magi_core.registry"):
+        backend = Registry().active()
+        backend.host_register(0x1000, 64)
+        backend.host_unregister(0x1000)
+    lines = _trace_lines(caplog)
+    called = ["magi_hookspec_versions", "magi_probe", "magi_to_method_aliases", "magi_device_module",
+              "magi_host_register", "magi_host_unregister"]
+    for hook in called:
+        assert any("[cpu]" in line and f" {hook} [hook]" in line for line in lines), hook
+        assert any(f"finish {hook} -->" in line for line in lines), hook
+    assert any("ptr: 4096" in line for line in lines)
+
+
+def test_no_trace_without_env(registry: Registry, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="magi_core.registry"):
+        registry.use("cpu")
+    assert _trace_lines(caplog) == []
+
+
+# -- selection rule as a property --------------------------------------------------------------
+
+def _record(name: str, priority: int) -> BackendRecord:
+    rec = BackendRecord(name=name, entry_point=f"pkg_{name}", package=f"magi-backend-{name}", package_version="1")
+    rec.spec_versions = ("1",)
+    rec.probe = ProbeResult(available=True, device_type=name, priority=priority, version="1")
+    return rec
+
+
+@given(st.lists(st.integers(min_value=-5, max_value=5), min_size=1, max_size=6))
+def test_top_priority_wins_and_ties_name_every_tied_package(priorities: list[int]) -> None:
+    records = [_record(f"b{i}", p) for i, p in enumerate(priorities)]
+    best = max(priorities)
+    tied = [r for r in records if r.probe is not None and r.probe.priority == best]
+    if len(tied) == 1:
+        assert Registry._top(records) is tied[0]
+    else:
+        with pytest.raises(BackendError) as err:
+            Registry._top(records)
+        for r in tied:
+            assert f"'{r.name}' ({r.package}" in str(err.value)
+        for r in records:
+            if r not in tied:
+                assert f"'{r.name}'" not in str(err.value)
+
+
+@given(st.sampled_from(["1", "1.0", "1.7", " 1.2"]), st.sampled_from(["0", "2", "2.0", "10"]))
+def test_spec_compatibility_compares_majors(good: str, bad: str) -> None:
+    rec = _record("x", 1)
+    rec.spec_versions = (good,)
+    assert rec.spec_compatible and rec.problem is None
+    rec.spec_versions = (bad,)
+    assert not rec.spec_compatible
+    assert bad in (rec.problem or "") and HOOKSPEC_VERSION in (rec.problem or "")
+    assert spec_major(HOOKSPEC_VERSION) == "1"
+
+
+# -- bad input and third-party backends, in fresh processes over real dist-info entry points -----
+
+def test_higher_priority_backend_is_chosen_by_probe(tmp_path: Path) -> None:
+    add_backend(tmp_path, "fast", device_type="fast", priority=50)
+    out, _ = select_and_list([tmp_path])
+    assert (out["selected"], out["selected_by"]) == ("fast", "probe")
+    fast = out["backends"]["fast"]
+    assert fast["package"] == "magi-backend-fast" and fast["package_version"] == "0.0.1"
+    assert fast["priority"] == 50 and fast["device_type"] == "fast" and fast["available"]
+    assert fast["missing_optional_hooks"] == [] and fast["hookspec_versions"] == ["1"]
+    assert "cpu" in out["backends"]
+
+
+def test_env_nosuch_in_fresh_process_lists_third_party_backends(tmp_path: Path) -> None:
+    add_backend(tmp_path, "fast", device_type="fast", priority=50)
+    out, _ = select_and_list([tmp_path], env={"MAGI_BACKEND": "nosuch"})
+    assert "error" in out and "'nosuch'" in out["error"]
+    assert "cpu" in out["error"] and "fast" in out["error"]
+
+
+def test_probe_that_raises_is_reported_not_swallowed(tmp_path: Path) -> None:
+    add_backend(tmp_path, "flaky", device_type="flaky", priority=50, probe_raises="driver exploded (code 17)")
+    out, run = select_and_list([tmp_path])
+    flaky = out["backends"]["flaky"]
+    assert not flaky["available"]
+    assert flaky["probe_error"] == "RuntimeError: driver exploded (code 17)"
+    assert "driver exploded (code 17)" in flaky["why_unavailable"]
+    assert "probe raised RuntimeError: driver exploded (code 17)" in run.stderr  # logged
+    assert out["selected"] == "cpu"  # no accelerator here: the host is the fallback, and it was said
+    out, _ = select_and_list([tmp_path], select="magi_core.use_backend('flaky')")
+    assert "flaky" in out["error"] and "driver exploded (code 17)" in out["error"]
+
+
+def test_import_error_is_reported(tmp_path: Path) -> None:
+    write_dist(tmp_path, "magi-backend-broken", {"fake_broken": "import no_such_module_xyz\n"},
+               {"broken": "fake_broken"})
+    out, run = select_and_list([tmp_path])
+    broken = out["backends"]["broken"]
+    assert not broken["available"]
+    assert "ModuleNotFoundError" in broken["load_error"] and "no_such_module_xyz" in broken["load_error"]
+    assert "no_such_module_xyz" in run.stderr
+
+
+def test_two_backends_with_equal_priority_name_both_packages(tmp_path: Path) -> None:
+    add_backend(tmp_path, "alpha", package="magi-backend-alpha", device_type="alpha", priority=70)
+    add_backend(tmp_path, "beta", package="vendor-beta-plugin", device_type="beta", priority=70)
+    out, _ = select_and_list([tmp_path])
+    assert "equal priority 70" in out["error"]
+    assert "'alpha' (magi-backend-alpha" in out["error"] and "'beta' (vendor-beta-plugin" in out["error"]
+    assert "MAGI_BACKEND=NAME" in out["error"]
+    assert out["selection"]["error"] == out["error"]
+    out, _ = select_and_list([tmp_path], env={"MAGI_BACKEND": "beta"})
+    assert (out["selected"], out["selected_by"]) == ("beta", "env")
+
+
+@pytest.mark.parametrize("hook", REQUIRED_HOOKS)
+def test_missing_required_hook_is_refused_naming_it(tmp_path: Path, hook: str) -> None:
+    add_backend(tmp_path, "partial", device_type="partial", priority=50, omit=[hook])
+    out, run = select_and_list([tmp_path], select="magi_core.use_backend('partial')")
+    assert "'partial'" in out["error"] and f"missing required hook(s) {hook}" in out["error"]
+    assert out["backends"]["partial"]["missing_required_hooks"] == [hook]
+    assert hook in run.stderr
+    out, _ = select_and_list([tmp_path])
+    assert out["selected"] == "cpu"
+
+
+def test_missing_optional_hooks_are_listed_and_defaulted(tmp_path: Path) -> None:
+    add_backend(tmp_path, "lean", device_type="lean", priority=50, omit=OPTIONAL_HOOKS)
+    out, _ = select_and_list(
+        [tmp_path], select="(lambda b: (b.range_push('x'), b.range_pop(), b)[-1])(magi_core.get_backend())"
+    )
+    assert out["selected"] == "lean"
+    assert sorted(out["backends"]["lean"]["missing_optional_hooks"]) == sorted(OPTIONAL_HOOKS)
+
+
+def test_incompatible_hookspec_version_names_both_versions(tmp_path: Path) -> None:
+    add_backend(tmp_path, "future", device_type="future", priority=50, spec_versions=("2",))
+    out, _ = select_and_list([tmp_path], select="magi_core.use_backend('future')")
+    assert "incompatible hook-spec version" in out["error"]
+    assert "supports 2" in out["error"] and f"publishes {HOOKSPEC_VERSION}" in out["error"]
+    assert out["backends"]["future"]["hookspec_versions"] == ["2"]
+    assert out["backends"]["future"]["priority"] is None  # not probed once found incompatible
+
+
+def test_hookimpl_failing_pluggy_validation_is_a_load_error(tmp_path: Path) -> None:
+    bad = "\n@hookimpl\ndef magi_host_register(ptr, size):\n    pass\n"
+    add_backend(tmp_path, "typo", device_type="typo", priority=50, omit=["magi_host_register"], extra=bad)
+    out, run = select_and_list([tmp_path], select="magi_core.use_backend('typo')")
+    err = out["backends"]["typo"]["load_error"]
+    assert "does not match magi-core's hook spec" in err and "magi_host_register" in err and "size" in err
+    assert "typo" in out["error"] and "failed to load" in out["error"]
+    assert "rejected by hook validation" in run.stderr
+
+
+def test_unknown_hook_name_is_listed(tmp_path: Path) -> None:
+    extra = "\n@hookimpl\ndef magi_range_psuh(name):\n    pass\n"
+    add_backend(tmp_path, "speller", device_type="speller", priority=50, extra=extra)
+    out, run = select_and_list([tmp_path])
+    assert out["backends"]["speller"]["unknown_hooks"] == ["magi_range_psuh"]
+    assert "magi_range_psuh" in run.stderr
+
+
+def test_same_name_from_two_packages_is_refused(tmp_path: Path) -> None:
+    add_backend(tmp_path / "a", "twin", package="magi-backend-twin", device_type="twin", priority=50)
+    write_dist(tmp_path / "b", "other-twin", {"other_twin": "x = 1\n"}, {"twin": "other_twin"})
+    out, _ = select_and_list([tmp_path / "a", tmp_path / "b"], select="magi_core.use_backend('twin')")
+    assert "two packages register the backend name 'twin'" in out["error"]
+    assert "magi-backend-twin" in out["error"] and "other-twin" in out["error"]
+
+
+def test_accelerator_without_backend_says_which_package_to_install(tmp_path: Path) -> None:
+    out, _ = select_and_list([tmp_path], accelerator="fakeacc")
+    assert "torch reports a 'fakeacc' accelerator" in out["error"]
+    assert "pip install magi-backend-fakeacc" in out["error"] and "MAGI_BACKEND=cpu" in out["error"]
+    out, _ = select_and_list([tmp_path], accelerator="fakeacc", env={"MAGI_BACKEND": "cpu"})
+    assert (out["selected"], out["selected_by"]) == ("cpu", "env")
+
+
+def test_accelerator_with_unusable_backend_says_why(tmp_path: Path) -> None:
+    add_backend(tmp_path, "fakeacc", device_type="fakeacc", priority=100, available=False,
+                reason="driver 5.1 too old, need 6.0")
+    out, _ = select_and_list([tmp_path], accelerator="fakeacc")
+    assert "'fakeacc' (magi-backend-fakeacc): driver 5.1 too old, need 6.0" in out["error"]
+
+
+def test_accelerator_with_its_backend_is_selected(tmp_path: Path) -> None:
+    add_backend(tmp_path, "fakeacc", device_type="fakeacc", priority=100)
+    out, _ = select_and_list([tmp_path], accelerator="fakeacc")
+    assert (out["selected"], out["selected_by"]) == ("fakeacc", "probe")
+    assert out["backends"]["fakeacc"]["selected"] is False  # to_dict(selected=...) is the caller's flag
+
