@@ -1,0 +1,169 @@
+"""The CUDA backend: probe refusals and host-register checks that run anywhere, plus accelerator tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import magi_backend_cuda
+import pytest
+import torch
+from magi_backend_cuda import ranges, runtime
+
+from magi_core.errors import HostRegisterError
+from magi_core.registry import REGISTRY
+
+
+def _cuda_usable() -> bool:
+    rec = REGISTRY.records().get("cuda")
+    return rec is not None and rec.available
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_usable(), reason="no usable CUDA device (magi backend 'cuda' unavailable)")
+
+
+def _run(code: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_hookspec_versions_and_aliases() -> None:
+    """Spec major 1; Tensor.to appears only as "to"."""
+    assert tuple(magi_backend_cuda.magi_hookspec_versions()) == ("1",)
+    assert tuple(magi_backend_cuda.magi_to_method_aliases()) == ("to",)
+
+
+def test_import_and_probe_do_not_initialise_cuda() -> None:
+    """Importing the module and probing leave CUDA uninitialised (fresh interpreter)."""
+    out = _run("""
+        import json, torch
+        import magi_backend_cuda
+        probe = magi_backend_cuda.magi_probe()
+        print(json.dumps({"init": torch.cuda.is_initialized(), "type": probe.device_type, "prio": probe.priority}))
+    """)
+    assert out == {"init": False, "type": "cuda", "prio": 100}
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the refusal on a torch build without CUDA")
+def test_probe_refuses_torch_without_cuda() -> None:
+    """A CPU build of torch: unavailable, saying the build has no CUDA."""
+    probe = magi_backend_cuda.magi_probe()
+    assert not probe.available
+    assert probe.reason is not None and probe.reason.startswith("torch build has no CUDA")
+
+
+def test_probe_refuses_a_remapped_torch_cuda() -> None:
+    """torch.cuda replaced by an adapter's module (torchada-style): refused, naming the remap."""
+    out = _run("""
+        import json, sys, types, torch
+        shim = types.ModuleType("torchada.cuda")
+        shim.device_count = lambda: 1
+        torch.cuda = shim
+        torch.version.cuda = torch.version.cuda or "12.8"
+        accel = torch.accelerator.current_accelerator()
+        if accel is not None and accel.type != "cuda":
+            raise SystemExit("unexpected accelerator")
+        import magi_backend_cuda
+        p = magi_backend_cuda.magi_probe()
+        print(json.dumps({"available": p.available, "reason": p.reason}))
+    """)
+    assert out["available"] is False
+    assert "remapped onto 'torchada.cuda'" in out["reason"]
+
+
+def test_probe_refuses_when_torch_accelerator_is_another_device() -> None:
+    """torch's accelerator is another device type (PrivateUse1 renamed): refused, naming it."""
+    out = _run("""
+        import json, types, torch
+        torch.utils.rename_privateuse1_backend("otherdev")
+        m = types.ModuleType("otherdev_mod"); m.is_available = lambda: True; m.device_count = lambda: 1
+        torch._register_device_module("otherdev", m)
+        torch.version.cuda = torch.version.cuda or "12.8"
+        import magi_backend_cuda
+        p = magi_backend_cuda.magi_probe()
+        print(json.dumps({"available": p.available, "reason": p.reason}))
+    """)
+    if torch.version.cuda is not None and out["available"]:
+        pytest.skip("a CUDA build keeps cuda as its compile-time accelerator")
+    assert out["available"] is False
+    assert "'otherdev'" in out["reason"]
+
+
+def test_invalid_and_unknown_ranges_raise_without_touching_the_runtime() -> None:
+    """Bad arguments and never-registered ranges raise HostRegisterError before any runtime call."""
+    with pytest.raises(HostRegisterError):
+        magi_backend_cuda.magi_host_register(ptr=0, nbytes=16)
+    t = torch.ones(4)
+    with pytest.raises(HostRegisterError) as info:
+        magi_backend_cuda.magi_host_unregister(ptr=t.data_ptr())
+    assert info.value.code == runtime.NOT_REGISTERED
+    assert runtime.registered_ranges() == {}
+
+
+@pytest.mark.skipif(ranges.available(), reason="checks the no-NVTX path")
+def test_ranges_are_noops_without_nvtx() -> None:
+    """Without NVTX in the build, push/pop do nothing and do not raise."""
+    magi_backend_cuda.magi_range_push(name="x")
+    magi_backend_cuda.magi_range_pop()
+
+
+# -- accelerator tests (run by the lead on the H200) -------------------------------------------------
+
+
+@pytest.mark.accelerator
+@needs_cuda
+def test_nvtx_available_on_cuda_build() -> None:
+    """A CUDA build of torch has NVTX, and push/pop report matching depths."""
+    assert ranges.available()
+    depth = torch.cuda.nvtx.range_push("magi-nvtx-check")
+    assert torch.cuda.nvtx.range_pop() == depth
+
+
+@pytest.mark.accelerator
+@needs_cuda
+def test_712_from_runtime_is_success_and_drained() -> None:
+    """A range registered behind the backend's back: 712 is success and kernels still launch afterwards."""
+    t = torch.ones(1 << 16)
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    rt = torch.cuda.cudart()
+    assert int(rt.cudaHostRegister(ptr, nbytes, 0)) == 0
+    try:
+        magi_backend_cuda.magi_host_register(ptr=ptr, nbytes=nbytes)
+        x = torch.ones(8, device="cuda") * 2  # a launch check would raise a stale 712 if it were not drained
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 16.0
+        dev = t.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), t)
+    finally:
+        magi_backend_cuda.magi_host_unregister(ptr=ptr)
+    assert runtime.registered_ranges() == {}
+
+
+@pytest.mark.accelerator
+@needs_cuda
+def test_713_from_runtime_raises_with_runtime_text_and_is_drained() -> None:
+    """A range unregistered behind the backend's back: 713 raises with CUDA's own text; kernels still launch."""
+    t = torch.ones(1 << 16)
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    magi_backend_cuda.magi_host_register(ptr=ptr, nbytes=nbytes)
+    assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) == 0
+    with pytest.raises(HostRegisterError) as info:
+        magi_backend_cuda.magi_host_unregister(ptr=ptr)
+    assert info.value.code == 713
+    assert "713" in str(info.value) and "registered" in str(info.value).lower()
+    x = torch.ones(8, device="cuda") + 1
+    torch.cuda.synchronize()
+    assert float(x.sum()) == 16.0
+    assert runtime.registered_ranges() == {}
+
+
+@pytest.mark.accelerator
+@needs_cuda
+def test_drain_reaches_the_loaded_runtime() -> None:
+    """The CUDA runtime torch loaded is reachable for draining (no library is loaded anew)."""
+    torch.cuda.init()
+    assert runtime.drain_last_error() is True

@@ -1,0 +1,256 @@
+"""The MUSA backend against the torch_musa emulation (``tests/fakes``): every run says "emulated"."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import magi_backend_musa  # noqa: E402
+from _emulation import run_emulated, run_emulated_argv  # noqa: E402
+from magi_backend_musa import ranges  # noqa: E402
+
+from magi_core.errors import BackendError  # noqa: E402
+
+
+def _json_out(proc: subprocess.CompletedProcess[str]) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_does_not_import_torch_musa_or_touch_device() -> None:
+    """Importing the backend module leaves torch_musa unimported (only the probe imports it)."""
+    proc = run_emulated("""
+        import json, sys
+        import magi_backend_musa
+        print(json.dumps({"torch_musa": "torch_musa" in sys.modules}))
+    """)
+    assert _json_out(proc) == {"torch_musa": False}
+
+
+def test_probe_without_torch_musa_reports_why() -> None:
+    """Without torch_musa the backend is unavailable with an install hint, and cpu is chosen."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent("""
+            import json
+            from magi_core.registry import REGISTRY, get_backend
+            rec = REGISTRY.records()["musa"]
+            print(json.dumps({"available": rec.available, "why": rec.why_unavailable, "selected": get_backend().name}))
+        """)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = _json_out(proc)
+    assert out["available"] is False
+    assert out["why"] == "torch_musa is not installed: pip install torch_musa"
+    assert out["selected"] == "cpu"
+
+
+def test_selection_picks_musa_when_a_device_is_visible() -> None:
+    """Emulated: with a MUSA device visible, automatic selection picks musa; its device module is torch.musa."""
+    proc = run_emulated("""
+        import json, torch
+        from magi_core.registry import get_backend
+        b = get_backend()
+        print(json.dumps({"name": b.name, "by": b.selected_by, "type": b.device_type, "prio": b.priority,
+                          "module": b.device_module is torch.musa, "init": torch.musa.is_initialized(),
+                          "version": b.version}))
+    """)
+    out = _json_out(proc)
+    assert out == {"name": "musa", "by": "probe", "type": "musa", "prio": 100, "module": True, "init": False,
+                   "version": "2.7.0+emulated"}
+
+
+def test_no_device_visible_falls_back_to_cpu_with_reason() -> None:
+    """Emulated with zero devices: musa reports "no MUSA device visible" and cpu is selected."""
+    proc = run_emulated("""
+        import json
+        from magi_core.registry import REGISTRY, get_backend
+        rec = REGISTRY.records()["musa"]
+        print(json.dumps({"available": rec.available, "why": rec.why_unavailable, "selected": get_backend().name}))
+    """, env={"FAKE_MUSA_DEVICE_COUNT": "0"})
+    out = _json_out(proc)
+    assert out["available"] is False and out["why"].startswith("no MUSA device visible")
+    assert out["selected"] == "cpu"
+
+
+def test_host_register_uses_musart_with_a_real_table_and_712_713() -> None:
+    """Emulated: ranges land in musart's table; 712 is success (error drained); 713 and the runtime text raise."""
+    proc = run_emulated("""
+        import json, torch
+        from magi_core import HostRegisterError, get_backend
+        b = get_backend()
+        rt = torch.musa.musart()
+        x, y = torch.ones(1024), torch.ones(2048)
+        out = {}
+        b.host_register(x.data_ptr(), 4096)
+        b.host_register(x.data_ptr(), 4096)
+        out["table_after_register"] = rt.registered_ranges() == {x.data_ptr(): 4096}
+        # 712 from the runtime: y registered behind the backend's back
+        int(rt.musaHostRegister(y.data_ptr(), 8192, 0))
+        b.host_register(y.data_ptr(), 8192)
+        out["last_error_drained"] = int(rt.musaGetLastError())
+        out["calls"] = [c[0] for c in rt.calls]
+        b.host_unregister(y.data_ptr())
+        b.host_unregister(x.data_ptr())
+        out["table_after_unregister"] = rt.registered_ranges()
+        try:
+            b.host_unregister(x.data_ptr())
+        except HostRegisterError as e:
+            out["unknown"] = e.code
+        # 713 from the runtime: the range vanished behind the backend's back
+        b.host_register(x.data_ptr(), 4096)
+        int(rt.musaHostUnregister(x.data_ptr()))
+        try:
+            b.host_unregister(x.data_ptr())
+        except HostRegisterError as e:
+            out["runtime_713"] = [e.code, str(e)]
+        print(json.dumps(out))
+    """)
+    out = _json_out(proc)
+    assert out["table_after_register"] is True
+    assert out["last_error_drained"] == 0
+    assert out["calls"] == ["musaHostRegister", "musaHostRegister", "musaHostRegister"]
+    assert out["table_after_unregister"] == {}
+    assert out["unknown"] == 713
+    assert out["runtime_713"][0] == 713
+    assert "pointer does not correspond to a registered memory region" in out["runtime_713"][1]
+
+
+def test_never_the_cuda_runtime_even_with_torchada() -> None:
+    """Emulated + torchada-like remap of torch.cuda: musa is selected, cuda refused, only musart is called."""
+    proc = run_emulated("""
+        import json, torch, torch_musa, torchada
+        from magi_core.registry import REGISTRY, get_backend
+        b = get_backend()
+        x = torch.ones(256)
+        b.host_register(x.data_ptr(), 1024)
+        b.host_unregister(x.data_ptr())
+        recs = REGISTRY.records()
+        cuda = recs.get("cuda")
+        print(json.dumps({
+            "selected": b.name,
+            "cuda_available": None if cuda is None else cuda.available,
+            "cuda_why": None if cuda is None else cuda.why_unavailable,
+            "cuda_runtime_calls": len(torchada.CUDA_RUNTIME_CALLS),
+            "musart_calls": [c[0] for c in torch.musa.musart().calls],
+        }))
+    """)
+    out = _json_out(proc)
+    assert out["selected"] == "musa"
+    assert out["cuda_available"] in (False, None)
+    assert out["cuda_runtime_calls"] == 0
+    assert out["musart_calls"] == ["musaHostRegister", "musaHostUnregister"]
+
+
+def test_missing_bindings_and_no_libmusart_says_what_to_do(tmp_path: Path) -> None:
+    """Emulated bindings without musaHostRegister and no libmusart.so under MUSA_HOME: a clear BackendError."""
+    proc = run_emulated("""
+        import torch
+        from magi_core import get_backend
+        from magi_core.errors import BackendError
+        b = get_backend()
+        x = torch.ones(16)
+        try:
+            b.host_register(x.data_ptr(), 64)
+        except BackendError as e:
+            print(str(e))
+        else:
+            raise SystemExit("expected BackendError")
+    """, env={"FAKE_MUSA_NO_HOST_REGISTER": "1", "MUSA_HOME": str(tmp_path)})
+    assert "MUSA_HOME" in proc.stdout and str(tmp_path / "lib" / "libmusart.so") in proc.stdout
+
+
+_STUB_LIBMUSART = r"""
+#include <stddef.h>
+#include <stdint.h>
+static uintptr_t starts[64]; static size_t sizes[64]; static int last = 0; int calls = 0;
+int musaHostRegister(void *p, size_t n, unsigned int flags) {
+  calls++;
+  for (int i = 0; i < 64; i++) if (starts[i] == (uintptr_t)p) { last = 712; return 712; }
+  for (int i = 0; i < 64; i++) if (!starts[i]) { starts[i] = (uintptr_t)p; sizes[i] = n; return 0; }
+  last = 2; return 2;
+}
+int musaHostUnregister(void *p) {
+  calls++;
+  for (int i = 0; i < 64; i++) if (starts[i] == (uintptr_t)p) { starts[i] = 0; return 0; }
+  last = 713; return 713;
+}
+const char *musaGetErrorString(int e) { return e == 713 ? "stub: not registered" : "stub error"; }
+int musaGetLastError(void) { int e = last; last = 0; return e; }
+int stub_calls(void) { return calls; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a stub libmusart.so")
+def test_libmusart_fallback_under_musa_home(tmp_path: Path) -> None:
+    """Emulated bindings without host registration: the backend loads $MUSA_HOME/lib/libmusart.so (a stub)."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (tmp_path / "stub.c").write_text(_STUB_LIBMUSART)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib / "libmusart.so"), str(tmp_path / "stub.c")], check=True)
+    proc = run_emulated("""
+        import ctypes, json, os, torch
+        from magi_core import HostRegisterError, get_backend
+        from magi_backend_musa import runtime
+        b = get_backend()
+        x = torch.ones(64)
+        b.host_register(x.data_ptr(), 256)
+        b.host_unregister(x.data_ptr())
+        stub = ctypes.CDLL(os.path.join(os.environ["MUSA_HOME"], "lib", "libmusart.so"))
+        out = {"source": runtime.musa_runtime().source, "stub_calls": stub.stub_calls(),
+               "fake_bindings_calls": len(torch.musa.musart().calls)}
+        print(json.dumps(out))
+    """, env={"FAKE_MUSA_NO_HOST_REGISTER": "1", "MUSA_HOME": str(tmp_path)})
+    out = _json_out(proc)
+    assert out == {"source": str(lib / "libmusart.so"), "stub_calls": 2, "fake_bindings_calls": 0}
+
+
+def test_aliases_include_orig_to_which_torch_musa_installs() -> None:
+    """Emulated: aliases are ("to", "orig_to") and orig_to is the original Tensor.to."""
+    proc = run_emulated("""
+        import json, torch
+        from magi_core import get_backend
+        b = get_backend()
+        print(json.dumps({"aliases": list(b.to_method_aliases),
+                          "orig": torch.Tensor.orig_to is torch._C.TensorBase.to}))
+    """)
+    assert _json_out(proc) == {"aliases": ["to", "orig_to"], "orig": True}
+
+
+def test_hookspec_versions_and_aliases_in_process() -> None:
+    """Spec major 1 and the alias pair, straight from the hooks."""
+    assert tuple(magi_backend_musa.magi_hookspec_versions()) == ("1",)
+    assert tuple(magi_backend_musa.magi_to_method_aliases()) == ("to", "orig_to")
+
+
+def test_ranges_show_up_in_the_profiler_and_balance() -> None:
+    """Ranges are record_function spans visible to torch.profiler; an unmatched pop raises."""
+    assert ranges.depth() == 0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        magi_backend_musa.magi_range_push(name="magi-musa-outer")
+        magi_backend_musa.magi_range_push(name="magi-musa-inner")
+        torch.ones(4).sum()
+        magi_backend_musa.magi_range_pop()
+        magi_backend_musa.magi_range_pop()
+    names = {e.name for e in prof.events()}
+    assert {"magi-musa-outer", "magi-musa-inner"} <= names
+    assert ranges.depth() == 0
+    with pytest.raises(BackendError):
+        magi_backend_musa.magi_range_pop()
+
+
+def test_conformance_kit_passes_emulated() -> None:
+    """Emulated: the conformance kit passes for musa in a subprocess (tensor-on-device parts skipped)."""
+    proc = run_emulated_argv(
+        ["-m", "pytest", "-p", "magi", "--pyargs", "magi_core.testing.conformance", "--magi-backend=musa",
+         "-q", "-rs", "-p", "no:cacheprovider"],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
