@@ -11,6 +11,7 @@ which keeps the streamed working set small. Look-ahead plans are never faster fo
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,36 +118,39 @@ def stall_removing_residency(
     profiles: Sequence[UnitProfile], cap: int, bandwidth_Bps: float
 ) -> frozenset[int]:
     """Greedy residency: repeatedly keep the unit whose residency shortens the best step most, within ``cap``
-    bytes; when no unit shortens it any more, fill the rest of ``cap`` by least compute per byte."""
+    bytes; when no unit shortens it any more, fill the rest of ``cap`` by least compute per byte.
+
+    Gains are evaluated lazily: a unit's last computed gain (at first its own transfer time, which bounds
+    it) is re-evaluated only when it tops the queue, so a round costs a few timelines, not one per unit.
+    """
     order = least_compute_per_byte(profiles)
-    rank = {u: r for r, u in enumerate(order)}
     if not profiles:
         return frozenset()
+    rank = {u: r for r, u in enumerate(order)}
     tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
     kept: frozenset[int] = frozenset()
     used = 0
-    tl = _earliest(profiles, kept, tms)
-    while True:
-        current = tl.end[-1]
-        stalled = [i for i in range(len(profiles)) if tl.start[i] > (tl.end[i - 1] if i else 0.0) + 1e-12]
-        if not stalled:
+    current = _earliest(profiles, kept, tms).end[-1]
+    if current <= sum(p.compute_ms for p in profiles) * (1 + 1e-12) + 1e-12:
+        return fill(order, profiles, cap)  # nothing stalls: residency cannot shorten the step
+    # entries: (-gain, bytes, rank, unit, round the gain was computed in; -1 = upper bound only)
+    heap = [(-tms[u], profiles[u].weight_bytes, rank[u], u, -1) for u in order if profiles[u].weight_bytes <= cap]
+    heapq.heapify(heap)
+    rnd = 0
+    while heap:
+        neg_gain, nbytes, r, u, when = heapq.heappop(heap)
+        if used + nbytes > cap:
+            continue  # it will never fit again: the budget only shrinks
+        if when != rnd:
+            gain = current - _earliest(profiles, kept | {u}, tms).end[-1]
+            heapq.heappush(heap, (-gain, nbytes, r, u, rnd))
+            continue
+        if -neg_gain <= 1e-9 * max(1.0, current):
             break
-        best: tuple[float, int, int] | None = None
-        best_tl = tl
-        for u in tl.streamed:
-            if u > stalled[-1]:
-                break  # keeping units after the last stall cannot shorten the step
-            if used + profiles[u].weight_bytes > cap:
-                continue
-            cand = _earliest(profiles, kept | {u}, tms)
-            key = (current - cand.end[-1], -profiles[u].weight_bytes, -rank[u])
-            if best is None or key > best:
-                best, best_u, best_tl = key, u, cand
-        if best is None or best[0] <= 1e-9 * max(1.0, current):
-            break
-        kept = kept | {best_u}
-        used += profiles[best_u].weight_bytes
-        tl = best_tl
+        kept = kept | {u}
+        used += nbytes
+        current += neg_gain
+        rnd += 1
     return fill(order, profiles, cap, kept)
 
 

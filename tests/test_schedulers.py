@@ -1,0 +1,342 @@
+"""Schedulers and the step simulator on synthetic profiles (pure planning, no device)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from magi_core.errors import ConfigError
+from magi_core.runtime.config import OffloadConfig
+from magi_core.runtime.plan import STEP_START, Plan, UnitProfile, make_profiles
+from magi_core.runtime.schedulers import (
+    best_step_ms,
+    build_plan,
+    heuristic_plan,
+    lookahead_plan,
+    ratio_cap,
+    simulate,
+)
+
+BW = 100e3  # 100 bytes per ms: a 100-byte unit takes 1 ms to copy
+POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
+
+
+def cfg(policy: str = "HEURISTIC", **kw: object) -> OffloadConfig:
+    """A config with exact bandwidth (no safety factor) unless overridden."""
+    kw.setdefault("bandwidth_safety_factor", 1.0)
+    return OffloadConfig(policy=policy, **kw)  # type: ignore[arg-type]
+
+
+def empty_at(n: int) -> dict[int, tuple[int, ...]]:
+    return {i: () for i in range(-1, n)}
+
+
+# -- simulator ---------------------------------------------------------------------------------------------
+def test_simulate_compute_covers_transfer_has_no_stall() -> None:
+    profiles = make_profiles([100] * 4, [2.0] * 4)
+    at = empty_at(4) | {-1: (0,), 0: (1,), 1: (2,), 2: (3,)}
+    plan = Plan("T", frozenset(), at, next_step=(0,))
+    sim = simulate(plan, profiles, BW)
+    assert sim.stall_ms == pytest.approx(0.0)
+    assert sim.step_ms == pytest.approx(8.0)
+    assert sim.start_ms == pytest.approx((0.0, 2.0, 4.0, 6.0))
+    # unit 0's copy ran during the previous step's last unit; unit 1's copy starts at unit 0's launch
+    assert sim.copy_start_ms[0] == pytest.approx(-2.0)
+    assert sim.copy_start_ms[1] == pytest.approx(0.0)
+    assert sim.peak_device_bytes == 200  # the running unit plus the next one
+
+
+def test_simulate_bandwidth_bound_stall_value() -> None:
+    n, c = 5, 0.25
+    profiles = make_profiles([100] * n, [c] * n)
+    at = empty_at(n) | {-1: (0,), 0: (1,), 1: (2,), 2: (3,), 3: (4,)}
+    plan = Plan("T", frozenset(), at, next_step=(0,))
+    sim = simulate(plan, profiles, BW)
+    # copies are back to back from -c (previous step's last unit): unit j starts at (j + 1) - c
+    assert sim.start_ms == pytest.approx(tuple(j + 1 - c for j in range(n)))
+    assert sim.step_ms == pytest.approx(n * 1.0)
+    assert sim.stall_ms == pytest.approx(n * 1.0 - n * c)
+
+
+def test_simulate_cold_step_waits_for_first_copy() -> None:
+    profiles = make_profiles([100] * 3, [2.0] * 3)
+    at = empty_at(3) | {-1: (0,), 0: (1,), 1: (2,)}
+    plan = Plan("T", frozenset(), at, next_step=(0,))
+    cold = simulate(plan, profiles, BW, steady=False)
+    steady = simulate(plan, profiles, BW)
+    assert cold.start_ms[0] == pytest.approx(1.0)
+    assert cold.step_ms == pytest.approx(steady.step_ms + 1.0)
+
+
+def test_simulate_copy_issued_at_own_unit_stalls_by_transfer() -> None:
+    profiles = make_profiles([0, 300], [1.0, 1.0])
+    plan = Plan("T", frozenset(), empty_at(2) | {1: (1,)})
+    sim = simulate(plan, profiles, BW)
+    assert sim.start_ms[1] == pytest.approx(1.0 + 3.0)
+    assert sim.unit_stall_ms == pytest.approx((0.0, 3.0))
+
+
+def test_simulate_tied_weights_stay_alive_until_last_use() -> None:
+    # unit 0's streamed weights are also read by unit 2: alive across units 1 and 2
+    profiles = [UnitProfile(0, 100, 1.0, last_use=2), UnitProfile(1, 100, 1.0), UnitProfile(2, 0, 1.0),
+                UnitProfile(3, 100, 1.0)]
+    plan = Plan("T", frozenset(), empty_at(4) | {-1: (0,), 0: (1,), 1: (3,)})
+    sim = simulate(plan, profiles, 1e12)
+    assert sim.peak_device_bytes == 300  # 0 (alive to unit 2), 1, and 3 issued at unit 1's launch
+
+
+def test_simulate_resident_bytes_counted() -> None:
+    profiles = make_profiles([100, 50, 100], [1.0] * 3)
+    plan = Plan("T", frozenset({1}), empty_at(3) | {-1: (0,), 0: (2,)})
+    assert simulate(plan, profiles, BW).peak_device_bytes == 50 + 200
+
+
+def test_plan_validate_rejects_broken_plans() -> None:
+    profiles = make_profiles([100, 0, 100], [1.0] * 3)
+    good = Plan("T", frozenset(), empty_at(3) | {-1: (0,), 0: (2,)})
+    good.validate(profiles)
+    bad = [
+        Plan("T", frozenset(), {-1: (0,), 0: (2,)}),  # missing keys
+        Plan("T", frozenset(), empty_at(3) | {-1: (0,)}),  # unit 2 never copied
+        Plan("T", frozenset(), empty_at(3) | {-1: (0,), 0: (2,), 1: (1,)}),  # weightless unit copied
+        Plan("T", frozenset({1}), empty_at(3) | {-1: (0,), 0: (2,)}),  # weightless unit resident
+        Plan("T", frozenset(), empty_at(3) | {-1: (2,), 0: (0,)}),  # out of order
+        Plan("T", frozenset(), empty_at(3) | {1: (0,), 0: (2,)}),  # unit 0 copied after its launch
+        Plan("T", frozenset(), empty_at(3) | {-1: (0,), 0: (2,)}, next_step=(2,)),  # not a prefix of [-1]
+        Plan("T", frozenset(), empty_at(3) | {-1: (0, 2)}, next_step=(0, 2)),  # 2 runs during the last unit
+    ]
+    for plan in bad:
+        with pytest.raises(ValueError):
+            plan.validate(profiles)
+
+
+# -- trigger points -----------------------------------------------------------------------------------------
+def test_heuristic_uniform_compute_bound_triggers_one_ahead() -> None:
+    profiles = make_profiles([100] * 4, [2.0] * 4)
+    plan = build_plan(profiles, BW, cfg(prefetch_margin_ms=0.1))
+    assert plan.prefetch_at == {-1: (0,), 0: (1,), 1: (2,), 2: (3,), 3: ()}
+    assert plan.next_step == (0,)
+    assert plan.predicted_stall_ms == pytest.approx(0.0)
+    assert plan.predicted_step_ms == pytest.approx(8.0)
+
+
+def test_heuristic_heavy_unit_carries_several_copies() -> None:
+    # unit 1 computes 10 ms: copies for 2 and 3 are issued during it; unit 4's only at unit 2's launch
+    profiles = make_profiles([100] * 5, [1.0, 10.0, 1.0, 1.0, 1.0])
+    plan = build_plan(profiles, BW, cfg(prefetch_margin_ms=0.1))
+    assert plan.prefetch_at == {-1: (0,), 0: (1,), 1: (2, 3), 2: (4,), 3: (), 4: ()}
+    assert plan.next_step == (0,)
+    assert plan.predicted_stall_ms == pytest.approx(0.0)
+    sim = simulate(plan, profiles, BW)
+    assert sim.copy_end_ms[1] == pytest.approx(sim.start_ms[1])  # unit 0 (1 ms) cannot hide more than 1 ms
+    for j in range(2, 5):  # the others land at least the margin before their unit starts
+        assert sim.copy_end_ms[j] <= sim.start_ms[j] - 0.1 + 1e-9
+
+
+def test_heuristic_heavy_compute_moves_trigger_later() -> None:
+    # with a light unit 1 the copy of unit 3 must start early; a heavy unit 1 lets it start at unit 2's launch
+    light = make_profiles([100] * 4, [3.0, 0.5, 0.5, 0.5])
+    heavy = make_profiles([100] * 4, [3.0, 0.5, 3.0, 0.5])
+    t_light = build_plan(light, BW, cfg(prefetch_margin_ms=0.0)).trigger_of()
+    t_heavy = build_plan(heavy, BW, cfg(prefetch_margin_ms=0.0)).trigger_of()
+    assert t_light[3] < t_heavy[3] == 2
+
+
+def test_heuristic_margin_pulls_trigger_earlier() -> None:
+    profiles = make_profiles([100] * 3, [1.5, 1.5, 1.5])  # 0.5 ms of slack per unit
+    no_margin = build_plan(profiles, BW, cfg(prefetch_margin_ms=0.0))
+    margin = build_plan(profiles, BW, cfg(prefetch_margin_ms=0.6))
+    assert no_margin.trigger_of()[2] == 1
+    assert margin.trigger_of()[2] == 0
+    assert margin.predicted_step_ms == pytest.approx(no_margin.predicted_step_ms)
+
+
+def test_bandwidth_bound_stall_predicted() -> None:
+    n = 6
+    profiles = make_profiles([100] * n, [0.25] * n)
+    for policy in POLICIES:
+        plan = build_plan(profiles, BW, cfg(policy))
+        assert plan.predicted_step_ms == pytest.approx(n * 1.0), policy
+        assert plan.predicted_stall_ms == pytest.approx(n * 1.0 - n * 0.25), policy
+
+
+def test_safety_factor_slows_planned_copies() -> None:
+    profiles = make_profiles([100] * 4, [0.0] * 4)
+    plan = build_plan(profiles, BW, cfg("BASE", bandwidth_safety_factor=0.5))
+    assert plan.notes["bandwidth_Bps"] == pytest.approx(BW * 0.5)
+    assert plan.predicted_step_ms == pytest.approx(4 * 2.0)
+
+
+def test_base_lookahead_two() -> None:
+    profiles = make_profiles([100, 0, 100, 100, 100], [1.0] * 5)
+    plan = build_plan(profiles, BW, cfg("BASE", lookahead=2))
+    # streamed units 0, 2, 3, 4: each issued when the streamed unit two before it is launched
+    assert plan.prefetch_at == {-1: (0, 2), 0: (3,), 1: (), 2: (4,), 3: (), 4: ()}
+    assert plan.next_step == (0, 2)
+
+
+def test_next_step_excludes_unit_in_use_during_last_unit() -> None:
+    profiles = [UnitProfile(0, 100, 0.1, last_use=2), UnitProfile(1, 100, 0.1), UnitProfile(2, 0, 0.1)]
+    for policy in POLICIES:
+        plan = build_plan(profiles, BW, cfg(policy))
+        assert plan.next_step == (), policy
+        assert 0 in plan.prefetch_at[STEP_START]
+
+
+def test_single_streamed_unit_is_not_prefetched_during_itself() -> None:
+    profiles = make_profiles([100], [5.0])
+    for policy in POLICIES:
+        plan = build_plan(profiles, BW, cfg(policy))
+        assert plan.prefetch_at == {-1: (0,), 0: ()} and plan.next_step == ()
+        assert plan.predicted_stall_ms == pytest.approx(1.0)
+
+
+# -- kept sets and budgets ----------------------------------------------------------------------------------
+def test_cost_effective_keeps_least_compute_per_byte() -> None:
+    # compute per byte: 0.01, 0.05, 0.001, 0.02 -> keep 2 then 0 (200 of 400 bytes)
+    profiles = make_profiles([100, 100, 100, 100], [1.0, 5.0, 0.1, 2.0])
+    plan = build_plan(profiles, BW, cfg("COST_EFFECTIVE", gpu_resident_weight_ratio=0.5))
+    assert plan.resident == frozenset({2, 0})
+    assert plan.streamed() == [1, 3]
+
+
+def test_cost_effective_skips_unit_that_does_not_fit() -> None:
+    profiles = make_profiles([300, 100, 100], [0.0, 0.1, 5.0])
+    plan = build_plan(profiles, BW, cfg("COST_EFFECTIVE", gpu_resident_weight_ratio=0.5))  # cap 250
+    assert plan.resident == frozenset({1, 2})
+
+
+def test_base_keeps_first_units() -> None:
+    profiles = make_profiles([100, 0, 100, 100, 100], [1.0] * 5)
+    assert build_plan(profiles, BW, cfg("BASE", gpu_resident_weight_ratio=0.5)).resident == frozenset({0, 2})
+    assert build_plan(profiles, BW, cfg("BASE", gpu_resident_weight_ratio=0.0)).resident == frozenset()
+
+
+def test_heuristic_keeps_unit_that_removes_most_stall() -> None:
+    # bandwidth-bound; unit 2 is the big copy but not the least compute per byte
+    profiles = make_profiles([100, 100, 400, 100], [0.5, 0.5, 3.0, 0.5])
+    plan = build_plan(profiles, BW, cfg(gpu_resident_weight_ratio=0.6))  # cap 420 bytes
+    assert plan.resident == frozenset({2})
+    assert plan.predicted_stall_ms == pytest.approx(1.0)
+    ce = build_plan(profiles, BW, cfg("COST_EFFECTIVE", gpu_resident_weight_ratio=0.6))
+    assert ce.resident == frozenset({0, 1, 3})
+    assert ce.predicted_stall_ms > plan.predicted_stall_ms
+
+
+def test_heuristic_fills_rest_of_budget_when_no_stall() -> None:
+    profiles = make_profiles([100] * 4, [5.0, 5.0, 0.1, 5.0])
+    plan = build_plan(profiles, BW, cfg(gpu_resident_weight_ratio=0.5))
+    assert plan.predicted_stall_ms == pytest.approx(0.0)
+    assert sum(profiles[u].weight_bytes for u in plan.resident) == 200
+    assert 2 in plan.resident  # least compute per byte
+
+
+def test_units_without_weights() -> None:
+    profiles = make_profiles([0, 100, 0, 0, 100, 0], [1.0] * 6)
+    for policy in POLICIES:
+        for ratio in (0.0, 0.5, 1.0):
+            plan = build_plan(profiles, BW, cfg(policy, gpu_resident_weight_ratio=ratio))
+            assert plan.resident <= {1, 4}
+            assert set(plan.streamed()) == {1, 4} - plan.resident
+    all_empty = make_profiles([0, 0, 0], [1.0, 2.0, 3.0])
+    for policy in POLICIES:
+        plan = build_plan(all_empty, BW, cfg(policy, gpu_resident_weight_ratio=1.0))
+        assert plan.resident == frozenset() and plan.streamed() == [] and plan.next_step == ()
+        assert plan.predicted_step_ms == pytest.approx(6.0)
+
+
+def test_no_units() -> None:
+    for policy in POLICIES:
+        plan = build_plan([], BW, cfg(policy))
+        assert plan.prefetch_at == {-1: ()} and plan.predicted_step_ms == 0.0
+
+
+def test_device_memory_budget_fits_and_prefers_residency() -> None:
+    profiles = make_profiles([100] * 6, [2.0] * 6)
+    for policy in POLICIES:
+        plan = build_plan(profiles, BW, cfg(policy, device_memory_budget_bytes=450))
+        assert plan.notes["peak_device_bytes"] <= 450, policy
+        assert simulate(plan, profiles, BW).peak_device_bytes <= 450
+        assert plan.notes["resident_bytes"] >= 200, policy  # streaming needs 200: at least 2 units fit resident
+        big = build_plan(profiles, BW, cfg(policy, device_memory_budget_bytes=10_000))
+        assert big.resident == frozenset(range(6))
+
+
+def test_device_memory_budget_too_small_says_what_is_needed() -> None:
+    profiles = make_profiles([100] * 4, [2.0] * 4)
+    with pytest.raises(ConfigError, match=r"device_memory_budget_bytes=150 is too small.*at least 200"):
+        build_plan(profiles, BW, cfg("BASE", device_memory_budget_bytes=150))
+
+
+def test_bad_bandwidth_and_profiles_raise() -> None:
+    profiles = make_profiles([100], [1.0])
+    for bw in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="bandwidth"):
+            build_plan(profiles, bw, cfg())
+    with pytest.raises(ValueError, match="execution order"):
+        build_plan([UnitProfile(1, 100, 1.0)], BW, cfg())
+
+
+# -- properties ---------------------------------------------------------------------------------------------
+unit = st.tuples(st.sampled_from([0, 0, 50, 100, 250, 1000]), st.sampled_from([0.0, 0.1, 0.5, 1.0, 3.0, 10.0]))
+profile_lists = st.lists(unit, min_size=1, max_size=14).map(
+    lambda us: make_profiles([b for b, _ in us], [c for _, c in us])
+)
+
+
+@given(profiles=profile_lists, ratio=st.sampled_from([0.0, 0.25, 0.5, 1.0]), policy=st.sampled_from(POLICIES),
+       lookahead=st.integers(1, 3))
+def test_resident_bytes_within_ratio(profiles: list[UnitProfile], ratio: float, policy: str, lookahead: int) -> None:
+    plan = build_plan(profiles, BW, cfg(policy, gpu_resident_weight_ratio=ratio, lookahead=lookahead))
+    resident_bytes = sum(profiles[u].weight_bytes for u in plan.resident)
+    assert resident_bytes <= ratio_cap(profiles, ratio)
+    if ratio == 1.0:
+        assert plan.streamed() == [] and plan.predicted_stall_ms == pytest.approx(0.0, abs=1e-9)
+    if ratio == 0.0:
+        assert plan.resident == frozenset()
+    sim = simulate(plan, profiles, plan.notes["bandwidth_Bps"])
+    assert plan.predicted_step_ms == sim.step_ms
+    assert sim.step_ms >= sum(p.compute_ms for p in profiles) - 1e-9
+
+
+@given(profiles=profile_lists, data=st.data(), lookahead=st.integers(1, 3), margin=st.sampled_from([0.0, 0.1, 1.0]))
+def test_heuristic_never_slower_than_base_with_same_residency(
+    profiles: list[UnitProfile], data: st.DataObject, lookahead: int, margin: float
+) -> None:
+    weighted = [p.index for p in profiles if p.weight_bytes > 0]
+    resident = frozenset(data.draw(st.lists(st.sampled_from(weighted), unique=True)) if weighted else [])
+    heur = heuristic_plan(profiles, resident, BW, margin)
+    base = lookahead_plan("BASE", profiles, resident, lookahead, BW)
+    heur.validate(profiles)
+    assert heur.predicted_step_ms <= base.predicted_step_ms + 1e-9
+    assert heur.predicted_step_ms == pytest.approx(best_step_ms(profiles, resident, BW), abs=1e-9)
+
+
+@given(profiles=profile_lists, policy=st.sampled_from(POLICIES), ratio=st.sampled_from([0.0, 0.5]))
+def test_plans_are_deterministic(profiles: list[UnitProfile], policy: str, ratio: float) -> None:
+    config = cfg(policy, gpu_resident_weight_ratio=ratio)
+    assert build_plan(profiles, BW, config) == build_plan(list(profiles), BW, config)
+
+
+@given(profiles=profile_lists, policy=st.sampled_from(POLICIES))
+def test_device_budget_respected(profiles: list[UnitProfile], policy: str) -> None:
+    total = sum(p.weight_bytes for p in profiles)
+    budget = max(1, total // 2 + 300)
+    try:
+        plan = build_plan(profiles, BW, cfg(policy, device_memory_budget_bytes=budget))
+    except ConfigError as exc:
+        need = int(str(exc).split("at least ")[1].split(" ")[0])
+        assert need > budget
+        return
+    assert simulate(plan, profiles, plan.notes["bandwidth_Bps"]).peak_device_bytes <= budget
+
+
+def test_heuristic_plans_many_units_quickly() -> None:
+    n = 300
+    profiles = make_profiles([(i % 4 + 1) * 10**6 for i in range(n)], [0.01 + (i % 3) * 0.3 for i in range(n)])
+    plan = build_plan(profiles, 10e9, OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5))
+    plan.validate(profiles)
+    assert math.isfinite(plan.predicted_step_ms)
