@@ -48,6 +48,7 @@ class UnitTimerLike:
 @dataclass
 class _Carry:
     hosts: list[torch.Tensor]
+    ptrs: list[int]
     devs: list[torch.Tensor]
     event: Any
 
@@ -172,7 +173,9 @@ class OffloadExecutor:
         for b in actions.start:
             c = carry.get(b)
             ws = batches[b]
-            if c is not None and all(args[w] is h for w, h in zip(ws, c.hosts, strict=True)):
+            if c is not None and all(
+                args[w] is h and h.data_ptr() == p for w, h, p in zip(ws, c.hosts, c.ptrs, strict=True)
+            ):
                 for w, t in zip(ws, c.devs, strict=True):
                     env[w] = t
                 events[b] = c.event
@@ -190,7 +193,7 @@ class OffloadExecutor:
         for b in actions.carry:
             hosts = [args[w] for w in actions.batches[b]]
             devs, ev = self.copier.copy_batch(hosts)
-            self._carry[b] = _Carry(hosts, devs, ev)
+            self._carry[b] = _Carry(hosts, [h.data_ptr() for h in hosts], devs, ev)
 
     def _units(
         self,

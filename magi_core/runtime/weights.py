@@ -66,13 +66,13 @@ class ResidentStore:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[tuple[int, torch.device], _Entry] = {}
+        self._entries: dict[tuple[int, int, torch.device], _Entry] = {}
 
     def acquire(
         self, host: torch.Tensor, device: torch.device, copy: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         """The device copy of ``host`` (made with ``copy`` if no executor holds one), with one more reference."""
-        key = (id(host), device)
+        key = (id(host), host.data_ptr(), device)
         with self._lock:
             e = self._entries.get(key)
             if e is not None and e.host() is host:
@@ -84,9 +84,9 @@ class ResidentStore:
             self._entries[key] = _Entry(weakref.ref(host), dev, 1)
         return dev
 
-    def release(self, host_id: int, device: torch.device) -> None:
-        """Drop one reference to the copy of the host tensor with id ``host_id``; free it at zero."""
-        key = (host_id, device)
+    def release(self, host_id: int, host_ptr: int, device: torch.device) -> None:
+        """Drop one reference to the copy of host tensor ``host_id`` (data at ``host_ptr``); free it at zero."""
+        key = (host_id, host_ptr, device)
         with self._lock:
             e = self._entries.get(key)
             if e is None:
@@ -109,7 +109,11 @@ RESIDENT = ResidentStore()
 
 
 class ResidentSet:
-    """One executor's resident weights: input index -> device tensor, re-validated by host identity each step."""
+    """One executor's resident weights: input index -> device tensor, re-validated each step.
+
+    A weight is copied again when the host tensor passed in is another object or its storage moved
+    (``param.data = ...``).
+    """
 
     def __init__(self, store: ResidentStore, device: torch.device, indices: tuple[int, ...]) -> None:
         self._store = store
@@ -117,18 +121,20 @@ class ResidentSet:
         self.indices = indices
         self._hosts: list[torch.Tensor | None] = [None] * len(indices)
         self._devs: list[torch.Tensor | None] = [None] * len(indices)
+        self._ptrs: list[int] = [0] * len(indices)
         self.copies = 0
 
     def fill(self, args: Sequence[Any], env: list[Any], copier: CopyEngine, compute_stream: Any) -> None:
         """Put every resident weight's device copy into ``env`` (copying only when the host tensor changed)."""
-        hosts, devs = self._hosts, self._devs
+        hosts, devs, ptrs = self._hosts, self._devs, self._ptrs
         for k, i in enumerate(self.indices):
             h = args[i]
-            if h is not hosts[k]:
+            if h is not hosts[k] or h.data_ptr() != ptrs[k]:
                 if hosts[k] is not None:
-                    self._store.release(id(hosts[k]), self._device)
+                    self._store.release(id(hosts[k]), ptrs[k], self._device)
                 devs[k] = self._store.acquire(h, self._device, lambda t: copier.copy_now(t, compute_stream))
                 hosts[k] = h
+                ptrs[k] = h.data_ptr()
                 self.copies += 1
             env[i] = devs[k]
 
@@ -136,6 +142,6 @@ class ResidentSet:
         """Release every resident weight this set holds."""
         for k, h in enumerate(self._hosts):
             if h is not None:
-                self._store.release(id(h), self._device)
+                self._store.release(id(h), self._ptrs[k], self._device)
                 self._hosts[k] = None
                 self._devs[k] = None

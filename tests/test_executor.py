@@ -1,0 +1,196 @@
+"""The offload executor end to end on the active backend (CPU in CI), through torch.compile(backend="magi_offload")."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from test_executor_models import MixedStack, TiedLM, TupleKw
+
+from magi_core.models import TransformerSpec, build_transformer, example_input
+from magi_core.registry import get_backend
+from magi_core.runtime import compile_backend
+from magi_core.runtime.compile_backend import live_runtimes
+from magi_core.runtime.weights import RESIDENT
+
+POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
+RATIOS = (0.0, 0.5, 1.0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(model: torch.nn.Module, **options):
+    opts = {"unit_compiler": "eager", "warmup_calls": 2, **options}
+    return torch.compile(model, backend="magi_offload", options=opts)
+
+
+def device():
+    return get_backend().device()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    spec = TransformerSpec(layers=3, hidden=32, heads=2)
+    model = build_transformer(spec)
+    x = example_input(spec, tokens=8)
+    with torch.no_grad():
+        ref = model(x)
+    return model, x, ref
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_outputs_equal_eager(transformer, policy, ratio):
+    model, x, ref = transformer
+    f = compiled(model, policy=policy, gpu_resident_weight_ratio=ratio)
+    for _ in range(4):  # two warm-up calls, then the static plan
+        out = f(x)
+        assert out.device.type == device().type
+        close(out, ref)
+    rt = live_runtimes()[-1]
+    assert rt.phase == "planned"
+    assert rt.plan is not None and str(rt.plan.policy) == policy
+    total = rt.executor.split.weight_bytes
+    acts = rt.executor.actions
+    assert acts.resident_bytes + acts.streamed_bytes == total
+    assert acts.resident_bytes <= ratio * total
+    if ratio == 0.0:
+        assert acts.resident_bytes == 0
+    if ratio == 1.0:
+        assert acts.streamed_bytes == 0
+
+
+def test_tied_weights_copied_once_per_step():
+    model = TiedLM().eval()
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids)
+    f = compiled(model, policy="BASE")
+    for _ in range(4):
+        close(f(ids), ref)
+    ex = live_runtimes()[-1].executor
+    tied = [i for i, w in ex.split.weights.items() if len(w.users) > 1]
+    assert tied, "the tied embedding/head weight should be one graph input used by two units"
+    order = ex.actions.copy_order()
+    assert sorted(order) == sorted(set(order)), "each streamed weight is copied once per step"
+    assert set(tied) <= set(order)
+    before = ex.copier.copies
+    f(ids)
+    assert ex.copier.copies - before == len(order)
+
+
+def test_units_without_weights():
+    model = MixedStack().eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        ref = model(x)
+    f = compiled(model, policy="HEURISTIC", gpu_resident_weight_ratio=0.5)
+    for _ in range(4):
+        close(f(x), ref)
+    ex = live_runtimes()[-1].executor
+    assert any(not u.weights for u in ex.units)
+
+
+def test_lifted_eps_stays_on_host(transformer):
+    model, x, _ = transformer
+    f = compiled(model, policy="BASE")
+    with torch.no_grad():
+        refs = {eps: model(x, eps) for eps in (1e-5, 1e-3, 1e-2)}
+    for eps in (1e-5, 1e-3, 1e-2, 1e-3, 1e-2):  # a changing float is lifted to a 0-dim host tensor input
+        close(f(x, eps), refs[eps])
+    ex = live_runtimes()[-1].executor
+    phs = [n for n in ex.split.graph_module.graph.nodes if n.op == "placeholder"]
+    scalars = [
+        n for n in phs
+        if isinstance(n.meta.get("example_value"), torch.Tensor) and n.meta["example_value"].dim() == 0
+    ]
+    assert scalars, "Dynamo should have lifted eps into a 0-dim graph input"
+    assert all(n.meta["example_value"].device.type == "cpu" for n in scalars)
+
+
+def test_tuple_outputs_and_keyword_inputs():
+    model = TupleKw().eval()
+    x = torch.randn(2, 4, 16)
+    bias = torch.randn(16)
+    with torch.no_grad():
+        ref = model(x, bias=bias, scale=2.0)
+    f = compiled(model, policy="COST_EFFECTIVE", gpu_resident_weight_ratio=0.5)
+    for _ in range(4):
+        out = f(x, bias=bias, scale=2.0)
+        assert isinstance(out, tuple) and len(out) == 2
+        close(out[0], ref[0])
+        close(out[1], ref[1])
+
+
+def test_zero_recompiles_after_warmup_and_second_shape(transformer):
+    model, x, ref = transformer
+    f = compiled(model, policy="HEURISTIC", gpu_resident_weight_ratio=0.5)
+    for _ in range(3):
+        f(x)
+    compiles = compile_backend.COMPILE_COUNT
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(5):
+        close(f(x), ref)
+    assert compile_backend.COMPILE_COUNT == compiles
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    spec = model.spec
+    x2 = example_input(spec, tokens=5, batch=2, seed=3)
+    with torch.no_grad():
+        ref2 = model(x2)
+    for _ in range(4):
+        close(f(x2), ref2)
+    assert compile_backend.COMPILE_COUNT == compiles + 1
+    close(f(x), ref)
+
+
+def test_weight_update_is_seen_by_resident_and_streamed_copies():
+    model = TiedLM().eval()
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    f = compiled(model, policy="COST_EFFECTIVE", gpu_resident_weight_ratio=0.5)
+    for _ in range(4):
+        f(ids)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.lin.weight.data = layer.lin.weight.data * 0.5  # new storage, same Parameter object
+        ref = model(ids)
+    close(f(ids), ref)
+
+
+def test_resident_weights_freed_with_the_runtime(transformer):
+    model, x, _ = transformer
+    gc.collect()
+    before = len(RESIDENT)
+    f = compiled(model, policy="BASE", gpu_resident_weight_ratio=1.0)
+    for _ in range(3):
+        f(x)
+    assert len(RESIDENT) > before
+    del f
+    torch._dynamo.reset()
+    gc.collect()
+    assert len(RESIDENT) == before
+
+
+def test_options_config_object_and_bad_option(transformer):
+    from magi_core.errors import ConfigError
+    from magi_core.runtime.config import OffloadConfig
+
+    model, x, ref = transformer
+    cfg = OffloadConfig(policy="BASE", unit_compiler="eager", warmup_calls=0)
+    f = torch.compile(model, backend="magi_offload", options={"config": cfg})
+    close(f(x), ref)
+    assert live_runtimes()[-1].phase == "planned"  # warmup_calls=0 plans on the first call
+    torch._dynamo.reset()
+    g = torch.compile(model, backend="magi_offload", options={"polcy": "BASE"})
+    with pytest.raises(Exception) as info:
+        g(x)
+    assert isinstance(info.value, ConfigError) or "polcy" in str(info.value)
