@@ -1,0 +1,242 @@
+"""OffloadConfig: defaults, validation, environment and torch.compile options, policy registration."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from magi_core.errors import ConfigError
+from magi_core.runtime.config import OffloadConfig, Policy, parse_bytes, resolve_config
+from magi_core.runtime.plan import Plan, make_profiles
+from magi_core.runtime.schedulers import (
+    build_plan,
+    get_scheduler,
+    known_policies,
+    lookahead_plan,
+    register_policy,
+    reload_policies,
+    unregister_policy,
+)
+
+
+def test_defaults() -> None:
+    c = OffloadConfig()
+    assert c.policy is Policy.HEURISTIC
+    assert (c.gpu_resident_weight_ratio, c.device_memory_budget_bytes) == (0.0, None)
+    assert (c.bandwidth_safety_factor, c.prefetch_margin_ms, c.lookahead, c.warmup_calls) == (0.9, 0.1, 1, 2)
+    assert c.unit_compiler == "auto" and c.max_unit_bytes is None
+    assert c.probe_bytes(is_accelerator=True) == 1 << 30
+    assert c.probe_bytes(is_accelerator=False) < 1 << 30
+    assert c.resolved_unit_compiler(is_accelerator=True) == "inductor"
+    assert c.resolved_unit_compiler(is_accelerator=False) == "eager"
+    assert OffloadConfig(unit_compiler="Eager").resolved_unit_compiler(is_accelerator=True) == "eager"
+
+
+@pytest.mark.parametrize("text", ["base", "BASE", " Base ", "cost_effective", "Cost-Effective", "heuristic"])
+def test_policy_any_case(text: str) -> None:
+    policy = OffloadConfig(policy=text).policy
+    assert isinstance(policy, Policy)
+    assert policy.value == text.strip().upper().replace("-", "_")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "valid"),
+    [
+        ("gpu_resident_weight_ratio", -0.1, "[0, 1]"),
+        ("gpu_resident_weight_ratio", 1.5, "[0, 1]"),
+        ("gpu_resident_weight_ratio", float("nan"), "number"),
+        ("bandwidth_safety_factor", 0.0, "(0, 1]"),
+        ("bandwidth_safety_factor", 1.01, "(0, 1]"),
+        ("prefetch_margin_ms", -1.0, ">= 0"),
+        ("lookahead", 0, ">= 1"),
+        ("lookahead", 1.5, "integer"),
+        ("lookahead", True, "integer"),
+        ("unit_compiler", "tvm", "'auto'"),
+        ("warmup_calls", -1, ">= 0"),
+        ("max_unit_bytes", 0, "> 0"),
+        ("bandwidth_probe_bytes", -5, "> 0"),
+        ("device_memory_budget_bytes", 0, "> 0"),
+        ("gpu_resident_weight_ratio", "half", "number"),
+    ],
+)
+def test_invalid_values_name_field_value_and_range(field: str, value: object, valid: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig(**{field: value})  # type: ignore[arg-type]
+    msg = str(info.value)
+    assert field in msg and valid in msg
+    assert repr(value) in msg or str(value) in msg
+
+
+def test_unknown_policy_lists_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown policy 'fastest'.*BASE, COST_EFFECTIVE, HEURISTIC"):
+        OffloadConfig(policy="fastest")
+
+
+def test_ratio_and_budget_are_exclusive() -> None:
+    with pytest.raises(ConfigError, match="set only one"):
+        OffloadConfig(gpu_resident_weight_ratio=0.5, device_memory_budget_bytes=1 << 30)
+    assert OffloadConfig(device_memory_budget_bytes=1 << 30).gpu_resident_weight_ratio == 0.0
+
+
+def test_from_env() -> None:
+    env = {
+        "MAGI_OFFLOAD_POLICY": "cost_effective",
+        "MAGI_OFFLOAD_GPU_RESIDENT_WEIGHT_RATIO": "0.25",
+        "MAGI_OFFLOAD_LOOKAHEAD": "2",
+        "MAGI_OFFLOAD_BANDWIDTH_PROBE_BYTES": "256MiB",
+        "MAGI_OFFLOAD_MAX_UNIT_BYTES": "none",
+        "MAGI_OFFLOAD_UNIT_COMPILER": "EAGER",
+        "MAGI_OFFLOAD_SOMETHING_ELSE": "1",  # another component's variable: ignored
+        "PATH": "/bin",
+    }
+    c = OffloadConfig.from_env(OffloadConfig(max_unit_bytes=10, warmup_calls=3), environ=env)
+    assert c.policy is Policy.COST_EFFECTIVE
+    assert c.gpu_resident_weight_ratio == 0.25 and c.lookahead == 2
+    assert c.bandwidth_probe_bytes == 256 << 20 and c.max_unit_bytes is None
+    assert c.unit_compiler == "eager" and c.warmup_calls == 3  # base kept where env says nothing
+
+
+def test_from_env_reads_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAGI_OFFLOAD_WARMUP_CALLS", "0")
+    assert OffloadConfig.from_env().warmup_calls == 0
+
+
+def test_from_env_invalid_value_names_variable() -> None:
+    with pytest.raises(ConfigError, match="MAGI_OFFLOAD_LOOKAHEAD"):
+        OffloadConfig.from_env(environ={"MAGI_OFFLOAD_LOOKAHEAD": "two"})
+    with pytest.raises(ConfigError, match=r"bandwidth_safety_factor=1\.5"):
+        OffloadConfig.from_env(environ={"MAGI_OFFLOAD_BANDWIDTH_SAFETY_FACTOR": "1.5"})
+
+
+def test_from_options() -> None:
+    c = OffloadConfig.from_options({"policy": "base", "gpu_resident_weight_ratio": 0.5, "lookahead": "2"})
+    assert (c.policy, c.gpu_resident_weight_ratio, c.lookahead) == (Policy.BASE, 0.5, 2)
+    assert OffloadConfig.from_options(None) == OffloadConfig()
+
+
+def test_from_options_unknown_key_lists_valid_keys() -> None:
+    with pytest.raises(ConfigError, match=r"'ratio'.*valid options: policy, gpu_resident_weight_ratio"):
+        OffloadConfig.from_options({"ratio": 0.5})
+
+
+def test_resolve_precedence_env_over_options_over_config() -> None:
+    base = OffloadConfig(policy="base", lookahead=3, warmup_calls=1)
+    c = resolve_config(base, {"lookahead": 2, "prefetch_margin_ms": 0.5}, environ={"MAGI_OFFLOAD_LOOKAHEAD": "4"})
+    assert (c.policy, c.lookahead, c.prefetch_margin_ms, c.warmup_calls) == (Policy.BASE, 4, 0.5, 1)
+
+
+def test_round_trip_to_dict() -> None:
+    c = OffloadConfig(policy="cost_effective", gpu_resident_weight_ratio=0.3, max_unit_bytes=1 << 20)
+    assert OffloadConfig.from_options(c.to_dict()) == c
+    assert c.replace(lookahead=2).lookahead == 2 and c.lookahead == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("123", 123), ("1GiB", 1 << 30), ("2 MiB", 2 << 20), ("1.5GB", 1_500_000_000), ("1e6", 10**6), ("4kb", 4000)],
+)
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "1.5", "12 parsecs", "-3"])
+def test_parse_bytes_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+# -- policy plugins -----------------------------------------------------------------------------------------
+class EveryUnitAtStart:
+    """A test policy: copy every streamed unit at step start."""
+
+    def plan(self, profiles, bandwidth_Bps, config):  # type: ignore[no-untyped-def]
+        plan = lookahead_plan("AT_START", profiles, frozenset(), 10**9, bandwidth_Bps)
+        return Plan("AT_START", plan.resident, plan.prefetch_at, plan.next_step, notes={"custom": 1.0})
+
+
+@pytest.fixture
+def at_start_policy() -> Iterator[None]:
+    register_policy("at_start", EveryUnitAtStart)
+    try:
+        yield
+    finally:
+        unregister_policy("at_start")
+
+
+def test_register_policy(at_start_policy: None) -> None:
+    assert "AT_START" in known_policies()
+    c = OffloadConfig(policy="At_Start")
+    assert c.policy == "AT_START"
+    profiles = make_profiles([100, 100, 100], [1.0] * 3)
+    plan = build_plan(profiles, 1e5, c)
+    assert plan.notes == {"custom": 1.0} and plan.prefetch_at[-1] == (0, 1, 2)
+    with pytest.raises(ConfigError, match="already registered"):
+        register_policy("AT_START", EveryUnitAtStart)
+    with pytest.raises(ConfigError, match="already registered"):
+        register_policy("base", EveryUnitAtStart)
+
+
+def test_unregistered_policy_is_gone() -> None:
+    register_policy("temporary", EveryUnitAtStart)
+    unregister_policy("temporary")
+    with pytest.raises(ConfigError, match="unknown offload policy 'temporary'"):
+        get_scheduler("temporary")
+
+
+def test_plugin_plan_is_validated() -> None:
+    class Broken:
+        def plan(self, profiles, bandwidth_Bps, config):  # type: ignore[no-untyped-def]
+            return Plan("BROKEN", frozenset(), {-1: ()})
+
+    register_policy("broken", Broken)
+    try:
+        with pytest.raises(ValueError, match="prefetch_at"):
+            build_plan(make_profiles([100], [1.0]), 1e5, OffloadConfig(policy="broken"))
+    finally:
+        unregister_policy("broken")
+
+
+@pytest.fixture
+def plugin_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A real installed distribution (dist-info on sys.path) declaring ``magi.policies`` entry points."""
+    (tmp_path / "magi_policy_plugin_test.py").write_text(textwrap.dedent('''
+        from magi_core.runtime.schedulers import lookahead_plan
+
+        class TwoAhead:
+            def plan(self, profiles, bandwidth_Bps, config):
+                return lookahead_plan("TWO_AHEAD", profiles, frozenset(), 2, bandwidth_Bps)
+    '''))
+    info = tmp_path / "magi_policy_plugin_test-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: magi-policy-plugin-test\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[magi.policies]\ntwo_ahead = magi_policy_plugin_test:TwoAhead\nbroken_one = no_such_module_xyz:Nope\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reload_policies()
+    try:
+        yield tmp_path
+    finally:
+        monkeypatch.undo()
+        reload_policies()
+
+
+def test_entry_point_policy_discovered(plugin_dist: Path) -> None:
+    assert "TWO_AHEAD" in known_policies()
+    assert "BROKEN_ONE" not in known_policies()
+    plan = build_plan(make_profiles([100] * 4, [1.0] * 4), 1e5, OffloadConfig(policy="two_ahead"))
+    assert plan.policy == "TWO_AHEAD" and plan.prefetch_at[-1] == (0, 1)
+    with pytest.raises(ConfigError, match=r"failed to load: ModuleNotFoundError.*known policies"):
+        get_scheduler("broken_one")
+
+
+def test_entry_point_policy_gone_after_uninstall(plugin_dist: Path) -> None:
+    assert "TWO_AHEAD" in known_policies()
+    import sys
+
+    sys.path.remove(str(plugin_dist))
+    reload_policies()
+    assert "TWO_AHEAD" not in known_policies()
