@@ -110,7 +110,7 @@ def musa_runtime() -> MusaRuntime:
     """torch_musa's runtime bindings when they have host registration, else ``libmusart.so`` (resolved once)."""
     import torch_musa  # noqa: F401  (installs torch.musa)
 
-    rt = _from_bindings(torch.musa.musart())
+    rt = _from_bindings(torch.get_device_module("musa").musart())
     if rt is None:
         rt = _from_library(libmusart_path())
     logger.debug("MUSA host registration through %s", rt.source)
