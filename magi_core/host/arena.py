@@ -80,11 +80,12 @@ class Slot:
 
     def source_bytes(self) -> torch.Tensor:
         """The bytes the entries live in now (whole: their storage region; packed: the one tensor's bytes)."""
-        t = self.entries[0].tensor
+        e = self.entries[0]
+        t = e.tensor
         if not self.whole:
             return t.detach().contiguous().reshape(-1).view(torch.uint8)
         storage = t.untyped_storage()
-        start = t.data_ptr() - t.storage_offset() * t.element_size() - storage.data_ptr()
+        start = t.data_ptr() - e.storage_offset * t.element_size() - storage.data_ptr()  # region start
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         return whole[start: start + self.nbytes]
 
