@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|bench|multi|all]
+# Results and logs go to $OUT (or ./device-out when OUT is unset).
+set -uo pipefail
+OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
+what=${1:-all}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+site=/tmp/magi-site
+if [ ! -d "$site" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" \
+       . ./backends/cuda ./backends/musa || { echo "install failed"; exit 3; }
+fi
+export PYTHONPATH=$site:${PYTHONPATH:-}
+python3 - <<'PY' | tee "$OUT/env.txt"
+import torch, magi_core, platform
+print("torch", torch.__version__, "python", platform.python_version())
+print("devices", torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+b = magi_core.get_backend(); print("backend", b.name, b.device_type, b.version)
+PY
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m magi_core backends --json > "$OUT/backends.json" 2>&1 || rc=1
+  python3 -m pytest -p magi --pyargs magi_core.testing.conformance --magi-backend=cuda -q -rs \
+    --junitxml="$OUT/conformance.xml" 2>&1 | tee "$OUT/conformance.log" || rc=1
+  python3 -m pytest -q -rs -m "accelerator" tests backends/cuda/tests -p no:cacheprovider \
+    --junitxml="$OUT/accel.xml" 2>&1 | tee "$OUT/accel.log" || rc=1
+fi
+if [ "$what" = multi ] || [ "$what" = all ]; then
+  [ -f benchmarks/host_bandwidth.py ] && python3 benchmarks/host_bandwidth.py --out "$OUT/host_bandwidth.json" 2>&1 | tee "$OUT/host_bandwidth.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+exit $rc
