@@ -1,0 +1,116 @@
+"""Run under ``MAGI_BACKEND=recording`` (this directory on PYTHONPATH): check the executor's transfers against its plan.
+
+Prints one JSON object per line: the configuration and the facts the test asserts.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+import torch
+from magi_recording_backend import device
+
+from magi_core.models import TransformerSpec, build_transformer, example_input
+from magi_core.registry import get_backend
+from magi_core.runtime.compile_backend import live_runtimes
+
+sys.path.insert(0, sys.argv[1])  # the tests directory
+from test_executor_models import TiedLM  # noqa: E402
+
+
+def steady_facts(f, args, ex, base0: int) -> dict:
+    """Run one steady-state step with a fresh log and compare the copies with the executor's action lists."""
+    acts = ex.actions
+    device.LOG.clear()
+    device.reset_peak_memory_stats()
+    f(*args)
+    log = list(device.LOG)
+    launches = 0
+    copies = []  # (units launched before the copy, nbytes, src ptr, stream, non_blocking)
+    for e in log:
+        if e[0] == "range_push" and e[1].startswith("magi.unit"):
+            launches += 1
+        elif e[0] == "copy":
+            copies.append((launches, e[2], e[1], e[3], e[4]))
+    nbytes = {w.input_index: w.nbytes for u in ex.units for w in u.weights}
+    n = ex.n_units
+    expected = []
+    carried = set(acts.carry)
+    for b in acts.start:
+        if b not in carried:
+            expected += [(0, nbytes[w]) for w in acts.batches[b]]
+    for u, ids in enumerate(acts.issue):
+        for b in ids:
+            expected += [(u, nbytes[w]) for w in acts.batches[b]]
+    expected += [(n - 1, nbytes[w]) for b in acts.carry for w in acts.batches[b]]
+    recorded_events = device.EVENT_STREAM
+    copy_stream = ex.copier.copy_stream.sid
+    waits = [e for e in log if e[0] == "wait_event"]
+    largest = sorted((u.nbytes for u in ex.units), reverse=True)[:2]
+    return {
+        "copies": [[c[0], c[1]] for c in copies],
+        "expected": [list(x) for x in expected],
+        "distinct_sources": len({c[2] for c in copies}) == len(copies),
+        "all_on_copy_stream": all(c[3] == copy_stream for c in copies),
+        "all_non_blocking": all(c[4] for c in copies),
+        "waits_on_copy_events_only": all(recorded_events.get(w[2]) == copy_stream for w in waits),
+        "n_waits": len(waits),
+        "peak": device.max_memory_allocated() - base0,
+        "predicted_peak": int(ex.plan.notes["peak_device_bytes"]),
+        "budget": int(ex.plan.notes["peak_device_bytes"]) + sum(largest),
+        "resident_bytes": acts.resident_bytes,
+        "alive_after": device.memory_allocated() - base0,
+        "carry_bytes": sum(nbytes[w] for b in acts.carry for w in acts.batches[b]),
+    }
+
+
+def run(name: str, model: torch.nn.Module, args: tuple, policy: str, ratio: float) -> dict:
+    torch._dynamo.reset()
+    gc.collect()
+    base0 = device.memory_allocated()
+    f = torch.compile(
+        model, backend="magi_offload",
+        options={"policy": policy, "gpu_resident_weight_ratio": ratio, "unit_compiler": "eager", "warmup_calls": 2},
+    )
+    with torch.no_grad():
+        ref = model(*args)
+    f(*args)
+    f(*args)
+    device.LOG.clear()
+    out = f(*args)  # first call with the static plan: resident weights copied here
+    first = [e for e in device.LOG if e[0] == "copy"]
+    rt = live_runtimes()[-1]
+    ex = rt.executor
+    facts1 = steady_facts(f, args, ex, base0)
+    facts2 = steady_facts(f, args, ex, base0)
+    return {
+        "model": name,
+        "policy": policy,
+        "ratio": ratio,
+        "phase": rt.phase,
+        "match": bool(torch.allclose(out, ref, rtol=1e-5, atol=1e-5)),
+        "resident_weights": len(ex.actions.resident),
+        "first_planned_copies": len(first),
+        "streamed_weights": sum(len(b) for b in ex.actions.batches),
+        "steps": [facts1, facts2],
+    }
+
+
+def main() -> None:
+    assert get_backend().name == "recording", "run with MAGI_BACKEND=recording"
+    spec = TransformerSpec(layers=3, hidden=32, heads=2)
+    tf = build_transformer(spec)
+    x = example_input(spec, tokens=8)
+    lm = TiedLM().eval()
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+    for policy in ("BASE", "COST_EFFECTIVE", "HEURISTIC"):
+        for ratio in (0.0, 0.5, 1.0):
+            print(json.dumps(run("transformer", tf, (x,), policy, ratio)), flush=True)
+    print(json.dumps(run("tied", lm, (ids,), "BASE", 0.0)), flush=True)
+    print(json.dumps(run("tied", lm, (ids,), "HEURISTIC", 0.5)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

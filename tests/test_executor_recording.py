@@ -1,0 +1,68 @@
+"""The transfer plan, checked on a recording backend in a subprocess (``MAGI_BACKEND=recording``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+REC = HERE / "recording_backend"
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REC), env.get("PYTHONPATH", "")])
+    env["MAGI_BACKEND"] = "recording"
+    proc = subprocess.run(
+        [sys.executable, str(REC / "check_transfer_plan.py"), str(HERE)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(out) == 11, proc.stdout[-2000:]
+    return out
+
+
+def test_outputs_match_and_plan_installed(results):
+    for r in results:
+        assert r["match"], r
+        assert r["phase"] == "planned", r
+
+
+def test_each_offloaded_weight_copied_once_per_step_kept_weights_never(results):
+    for r in results:
+        for step in r["steps"]:
+            assert len(step["copies"]) == r["streamed_weights"], (r["model"], r["policy"], r["ratio"])
+            assert step["distinct_sources"]
+        if r["ratio"] == 1.0:
+            assert all(not s["copies"] for s in r["steps"])
+        assert r["first_planned_copies"] >= r["resident_weights"]
+
+
+def test_prefetch_order_and_positions_as_planned(results):
+    for r in results:
+        for step in r["steps"]:
+            assert step["copies"] == step["expected"], (r["model"], r["policy"], r["ratio"])
+
+
+def test_copies_on_copy_stream_and_compute_waits_on_copy_events_only(results):
+    for r in results:
+        for step in r["steps"]:
+            assert step["all_on_copy_stream"] and step["all_non_blocking"]
+            assert step["waits_on_copy_events_only"]
+            if r["streamed_weights"]:
+                assert step["n_waits"] > 0
+
+
+def test_peak_device_bytes_within_budget_plus_two_units(results):
+    for r in results:
+        for step in r["steps"]:
+            assert step["peak"] <= step["budget"], (r["model"], r["policy"], r["ratio"], step["peak"], step["budget"])
+            # after a step only resident weights and the next step's prefetch stay alive
+            assert step["alive_after"] == step["resident_bytes"] + step["carry_bytes"]
