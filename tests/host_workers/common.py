@@ -44,7 +44,8 @@ def shm_dir_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 def child_env(shm_dir: str, **extra: str) -> dict[str, str]:
     """Environment for a subprocess: our shm dir, one thread, the repository importable."""
     env = dict(os.environ)
-    env.update(MAGI_SHM_DIR=shm_dir, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(MAGI_SHM_DIR=shm_dir, OMP_NUM_THREADS="1", PYTHONPATH=path)
     env.update(extra)
     return env
 

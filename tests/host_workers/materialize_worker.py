@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from magi_core import get_backend
 from magi_core.cpu_backend import registered_ranges
 from magi_core.host import HostOptions, materialize
 from magi_core.host.memstat import process_memory
@@ -58,8 +59,15 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dense-mb", type=int, default=2)
     ap.add_argument("--unsafe", action="store_true")
+    ap.add_argument("--device", action="store_true", help="use the accelerator (NCCL etc.) instead of gloo")
     args = ap.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+    if args.device:
+        be = get_backend()
+        be.device_module.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(device_id=be.device(int(os.environ["LOCAL_RANK"])),
+                                timeout=datetime.timedelta(seconds=90))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
     rank = dist.get_rank()
     shm_dir = os.environ["MAGI_SHM_DIR"]
     own = args.scenario in ("ep", "mismatch")
@@ -95,6 +103,12 @@ def main() -> None:
     rec["inodes"] = sorted(f["inode"] for f in hw.report["files"])
     rec["files_unlinked"] = all(not os.path.exists(p) for p in hw.files)
     rec["file_modes"] = sorted(set(seen_modes))
+    if args.device:  # the host weights reach the device intact (non_blocking from the pinned mapping)
+        dev = torch.device(get_backend().device_type, int(os.environ["LOCAL_RANK"]))
+        on_dev = model.dense.weight.to(dev, non_blocking=True)
+        model.to(dev)
+        rec["device_copy_ok"] = bool(torch.equal(on_dev.cpu(), model.dense.weight))
+        rec["host_after_to"] = model.dense.weight.device.type == "cpu"
     rec["experts_after"] = digest(model.experts)
     rec["dense_after"] = digest(model.dense.weight)
     rec["weight_bytes"] = hw.weight_bytes
