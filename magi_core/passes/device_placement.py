@@ -202,7 +202,12 @@ class _GraphPlacer:
                 self._placeholder(node, placeholder_index)
                 placeholder_index += 1
                 continue
-            if node.op in ("output", "get_attr"):
+            if node.op == "output":
+                if any(n in self.host for n in node.all_input_nodes):
+                    self.host.add(node)  # keeps the 0-dim host scalars it returns on the host
+                self._move_meta(node)
+                continue
+            if node.op == "get_attr":
                 continue
             rewritten = False
             if self._is_to_call(node):
