@@ -29,8 +29,9 @@ def _run(nproc: int, args: list[str], shm_dir: str, tmp_path: Path, **env: str) 
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ep2_every_rank_keeps_its_own_experts(nproc: int, shm_dir: str, tmp_path: Path) -> None:
-    recs = _run(nproc, ["--scenario", "ep"], shm_dir, tmp_path, MAGI_EP_SIZE="2")
+    recs = _run(nproc, ["--scenario", "ep"], shm_dir, tmp_path, MAGI_EP_SIZE="2", MAGI_PIN_CONCURRENCY="2")
     assert len({r["experts_before"] for r in recs}) == nproc  # the shards really differ
+    assert [(r["pin"]["wave"], r["pin"]["waves"]) for r in recs] == [(r // 2, nproc // 2) for r in range(nproc)]
     for r in recs:
         assert r["experts_after"] == r["experts_before"], f"rank {r['rank']} lost its expert shard"
         assert r["dense_after"] == r["dense_before"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import logging
 import os
 
 import pytest
@@ -10,8 +12,9 @@ import torch
 from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 from torch import nn
 
+from magi_core import get_backend
 from magi_core.cpu_backend import registered_ranges
-from magi_core.errors import ConfigError
+from magi_core.errors import ConfigError, HostRegisterError
 from magi_core.host import HostOptions, HostStateError, HostWeights, materialize
 from magi_core.host.topology import resolve_ep_size
 
@@ -160,6 +163,27 @@ def test_pin_budget_and_no_pin(shm_dir: str, monkeypatch: pytest.MonkeyPatch) ->
         assert hw.report["pin"]["budget"] == 1 << 20
     with materialize(nn.Linear(4, 4), options=HostOptions(pin=False, progress=False)) as hw2:
         assert hw2.pinned_bytes == 0 and registered_ranges() == {}
+
+
+def test_refused_pinning_logs_memlock_and_keeps_going(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A runtime that refuses registration after 1 MiB (as under a low RLIMIT_MEMLOCK): partial pin, clear log."""
+    real = get_backend()
+    budget = [1 << 20]
+
+    def register(ptr: int, nbytes: int) -> None:
+        if nbytes > budget[0]:
+            raise HostRegisterError("out of locked memory", code=2)
+        budget[0] -= nbytes
+        real.host_register(ptr, nbytes)
+
+    be = dataclasses.replace(real, _register=register)
+    m = nn.Sequential(nn.Linear(512, 512).half(), nn.Linear(1024, 1024))  # fp16 arena 0.5 MiB, then 4 MiB fp32
+    with caplog.at_level(logging.WARNING, logger="magi_core.host"):
+        with materialize(m, options=OPTS, backend=be) as hw:
+            assert 0 < hw.pinned_bytes < sum(a.nbytes for a in hw.arenas)
+            assert "out of locked memory" in hw.report["pin"]["error"]
+            assert "soft" in hw.report["pin"]["memlock"]
+    assert "memlock limit" in caplog.text
 
 
 def test_progress_callback_reports_every_byte(shm_dir: str) -> None:

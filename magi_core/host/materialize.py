@@ -41,11 +41,11 @@ from magi_core.host.topology import Coordinator, Topology, build_topology, node_
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[str, int, int], None]
-_MODEL_ATTR = "_magi_host_weights"
 
 _live_lock = threading.Lock()
 _live: dict[int, HostWeights] = {}
 _owned: dict[int, HostWeights] = {}  # id(tensor) -> owner, for tensors kept alive by their HostWeights
+_by_model: weakref.WeakKeyDictionary[nn.Module, HostWeights] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -147,7 +147,8 @@ class HostWeights:
                         del _owned[id(e.tensor)]
             model = self._model()
             if model is not None:
-                model.__dict__.pop(_MODEL_ATTR, None)
+                if _by_model.get(model) is self:
+                    del _by_model[model]
                 if not restore:
                     model.register_forward_pre_hook(_released_hook)
             self._entries = []
@@ -236,8 +237,8 @@ def materialize(
         from magi_core.registry import get_backend
 
         backend = get_backend()
-    existing = model.__dict__.get(_MODEL_ATTR)
-    if isinstance(existing, HostWeights) and not existing.released:
+    existing = _by_model.get(model)
+    if existing is not None and not existing.released:
         if existing.options == opts:
             logger.info("model already materialised; returning its HostWeights")
             return existing
@@ -289,7 +290,8 @@ class _Materializer:
         info = {
             "key": node_key(opts.shm_dir) if not opts.skip_shm else None,
             "owner": owner, "digest": layout.digest(), "fps": own_fps, "skip": bool(opts.skip_shm),
-            "ep": opts.ep_size, "unsafe": opts._unsafe_share_across_ranks,
+            "ep": opts.ep_size, "unsafe": opts._unsafe_share_across_ranks, "pin": opts.pin,
+            "conc": opts.pin_concurrency,
             "bytes": sum(layout.arena_bytes.values()), "avail": memstat.available_bytes(),
             "names": [e.names[0] for e in layout.entries] if need_fp else [],
         }
@@ -359,7 +361,8 @@ class _Materializer:
     # -- decisions --------------------------------------------------------------------------------
     def _check_agreement(self, infos: list[dict[str, Any]]) -> None:
         for field_name, what in (("skip", "MAGI_SKIP_SHM"), ("ep", "the EP size (MAGI_EP_SIZE)"),
-                                 ("unsafe", "_unsafe_share_across_ranks")):
+                                 ("unsafe", "_unsafe_share_across_ranks"), ("pin", "HostOptions.pin"),
+                                 ("conc", "MAGI_PIN_CONCURRENCY")):
             values = {repr(i[field_name]) for i in infos}
             if len(values) > 1:
                 raise ConfigError(f"ranks disagree on {what}: {[i[field_name] for i in infos]}; set it the same on "
@@ -374,7 +377,7 @@ class _Materializer:
             nodes.setdefault(i["key"], []).append(r)
         problems: list[str] = []
         for ranks in nodes.values():
-            if opts.ep_size > 1 and not opts._unsafe_share_across_ranks:
+            if (opts.ep_size or 1) > 1 and not opts._unsafe_share_across_ranks:
                 for r in ranks:
                     out[r] = _Assignment(writer=r, readers=(r,), tag=f"rank{r}")
                 continue
@@ -486,7 +489,7 @@ class _Materializer:
     def _finish(self, hw: HostWeights, topo: Topology | None, infos: list[dict[str, Any]]) -> HostWeights:
         with _live_lock:
             _live[id(hw)] = hw
-        self.model.__dict__[_MODEL_ATTR] = hw
+        _by_model[self.model] = hw
         weakref.finalize(self.model, _model_gone, weakref.ref(hw))
         modules = [m for m in self.model.modules()
                    if any(t is not None and hw.owns(t) for t in (*m._parameters.values(), *m._buffers.values()))]
@@ -507,9 +510,9 @@ class _Materializer:
 
         def conc(ranks: list[int]) -> int:
             if opts.pin_concurrency is not None:
-                return opts.pin_concurrency
-            return pinning.default_concurrency(min(infos[r]["avail"] for r in ranks),
-                                               max(infos[r]["bytes"] for r in ranks))
+                return min(opts.pin_concurrency, len(ranks))
+            return min(len(ranks), pinning.default_concurrency(min(infos[r]["avail"] for r in ranks),
+                                                               max(infos[r]["bytes"] for r in ranks)))
 
         waves = max(pinning.wave_plan(0, len(rs), conc(rs))[1] for rs in nodes.values())
         c = conc(list(topo.node_ranks))

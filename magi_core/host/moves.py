@@ -37,10 +37,11 @@ def install(modules: list[nn.Module], owned: Callable[[torch.Tensor], bool]) -> 
 
         def _apply(self: nn.Module, fn: Callable[[torch.Tensor], Any], *args: Any,
                    _original: Any = original, **kwargs: Any) -> nn.Module:
-            hidden: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+            hidden: list[tuple[dict[str, Any], str, Any]] = []
             cache: dict[torch.dtype, bool] = {}
             try:
-                for store in (self._parameters, self._buffers):
+                stores: tuple[dict[str, Any], ...] = (self._parameters, self._buffers)
+                for store in stores:
                     for name, t in store.items():
                         if t is not None and owned(t):
                             if _changes_dtype(fn, t.dtype, cache):
