@@ -350,6 +350,9 @@ class _Materializer:
                 self._swap_mapped(hw, arenas, own_fps, total)
             except BaseException as exc:
                 err = exc
+                for fd in fds.values():
+                    os.close(fd)
+                fds.clear()
         statuses = self.coord.all_gather(f"{type(err).__name__}: {err}" if err else None)
         if mine.writer == self.rank:
             self._unlink(paths)  # every rank that shares them has mapped them (or failed)
