@@ -50,28 +50,26 @@ def _live() -> list[Any]:
 
 
 def host_weights(model: nn.Module) -> Any | None:
-    """The :class:`~magi_core.host.HostWeights` behind an offloaded model, or None."""
-    for name in ("_magi_host_weights", "magi_host_weights", "host_weights"):
-        hw = getattr(model, name, None)
-        if hw is not None:
-            return hw
-    return None
+    """The :class:`~magi_core.host.HostWeights` that ``magi_core.offload`` attached to ``model``, or None."""
+    from magi_core.runtime import api
+
+    return model.__dict__.get(api._HOST_ATTR)
 
 
 def static_info(model: nn.Module) -> dict[str, Any]:
-    """Figures known once set up: pinned and weight bytes of the host arena (absent where unknown)."""
+    """Figures known once set up: pinned and weight bytes of the host arena and its setup timings."""
     hw = host_weights(model)
     if hw is None:
         return {}
-    info = {"pinned_bytes": int(hw.pinned_bytes), "host_weight_bytes": int(hw.weight_bytes)}
-    report = getattr(hw, "report", None)
-    if isinstance(report, dict):
-        info["host_report"] = {k: v for k, v in report.items() if isinstance(v, int | float | str)}
+    info: dict[str, Any] = {"pinned_bytes": int(hw.pinned_bytes), "host_weight_bytes": int(hw.weight_bytes)}
+    timings = hw.report.get("timings") if isinstance(getattr(hw, "report", None), dict) else None
+    if isinstance(timings, dict):
+        info["host_timings_s"] = {k: float(v) for k, v in timings.items() if isinstance(v, int | float)}
     return info
 
 
 def release(model: nn.Module) -> None:
-    """Release the model's host weights (unregister and unmap) so no registered range is left behind."""
-    hw = host_weights(model)
-    if hw is not None:
-        hw.release()
+    """Unpin and unmap the model's host weights so no registered range or mapping is left behind."""
+    from magi_core.runtime.api import release as api_release
+
+    api_release(model)

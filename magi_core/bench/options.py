@@ -32,8 +32,9 @@ FULL = Sizes(4096, 24, 4096, 14, 32, 3.5, (2048, 16384))
 #: Accelerator quick check: same widths, fewer blocks, one token count.
 QUICK = Sizes(4096, 8, 4096, 4, 32, 3.5, (2048,))
 #: Host-only run: tiny models, figures not meaningful.
-CPU = Sizes(64, 4, 64, 2, 2, 3.5, (16, 64))
-CPU_QUICK = Sizes(64, 3, 64, 2, 2, 3.5, (16,))
+#: (enough blocks that half the weight bytes can hold the two-unit streaming working set)
+CPU = Sizes(64, 8, 64, 6, 2, 3.5, (16, 64))
+CPU_QUICK = Sizes(64, 6, 64, 5, 2, 3.5, (16,))
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,9 @@ def targets_table(doc: dict[str, Any]) -> list[str]:
     """Markdown rows: each target, its scope, the measured value, the limit, met / missed by how much."""
     lines = ["| target | scope | value | limit | result | note |", "|---|---|---|---|---|---|"]
     for t in doc.get("targets", []):
-        if t["status"] == "missed":
+        if t["status"] == "missed" and t["limit"] == 0:
+            result = f"**missed** by {t['missed_by']:g}"
+        elif t["status"] == "missed":
             result = f"**missed** by {t['missed_by'] * 100:.1f}%"
         else:
             result = t["status"]

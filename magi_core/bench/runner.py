@@ -132,6 +132,16 @@ def _run_tokens(backend: Backend, w: Workload, p: Prepared, tokens: int, options
 def run_benchmark(options: BenchOptions, backend: Backend | None = None) -> dict[str, Any]:
     """Run the whole benchmark and return the result document (also written to ``options.out`` when set)."""
     backend = backend if backend is not None else get_backend()
+    threads = torch.get_num_threads()
+    if not backend.is_accelerator:
+        torch.set_num_threads(1)  # tiny host models: more threads only add OpenMP barrier waits
+    try:
+        return _run(options, backend)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
     env = environment(backend)
     sizes = options.sizes(backend.is_accelerator)
     start = time.perf_counter()

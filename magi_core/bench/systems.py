@@ -88,7 +88,7 @@ def prepare_resident(workload: Workload, backend: Backend, compiled: bool, compi
     fn: Callable[[torch.Tensor], Any] = model
     if compiled:
         _reset_dynamo()
-        fn = torch.compile(model)
+        fn = torch.compile(model, dynamic=False)  # one static graph per token count, as magi-core below
     backend.device_module.synchronize()
     weights = workload.weight_bytes
     return Prepared(_no_grad(fn), time.perf_counter() - t0, 1 if not compiled else 2,
@@ -125,7 +125,7 @@ def prepare_magi(workload: Workload, backend: Backend, spec: SystemSpec) -> Prep
     config = _magi_config(spec, workload.weight_bytes)
     watch = magi_stats.RuntimeWatch()
     t0 = time.perf_counter()
-    model = offload(workload.fresh(), config)
+    model = offload(workload.fresh(), config, dynamic=False)
     backend.device_module.synchronize()
     setup = time.perf_counter() - t0
 

@@ -1,0 +1,208 @@
+"""``magi bench``: the CPU small run end to end, its JSON, the report and plot, and the target arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from magi_core import cpu_backend
+from magi_core.bench import BenchOptions, add_arguments, analysis, main, report
+from magi_core.bench.systems import magi_available
+from magi_core.bench.workloads import MLPShape, mlp_workload
+from magi_core.errors import ConfigError
+from magi_core.registry import get_backend
+
+RUN_FIELDS = ("workload", "tokens", "system", "label", "policy", "ratio", "budget_fraction", "status")
+OK_FIELDS = ("step_ms", "steps_ms", "host_call_ms", "peak_alloc_bytes", "peak_reserved_bytes", "setup_s",
+             "first_call_s", "recompiles", "max_rel_err", "weight_bytes", "ideal_ms", "ratio_to_ideal",
+             "speedup_vs", "copy_GBps")
+TARGETS = ("step <= 1.01x ideal", "half budget <= 1.03x best hand-picked split",
+           "half budget >= 1.8x faster than diffusers", "host pinned bytes <= 1.01x weights",
+           "host overhead <= 30 us/unit/step", "zero recompiles after warm-up")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """One quick CPU run through the ``magi bench`` entry point, with its JSON and Markdown report."""
+    if get_backend().is_accelerator:
+        pytest.skip("the small CPU run is for the cpu backend")
+    out = tmp_path_factory.mktemp("bench")
+    rc = main(_parse(["--quick", "--ratios", "0,0.5", "--out", str(out / "r.json"), "--report", str(out / "BENCH.md")]))
+    assert rc == 0
+    return json.loads((out / "r.json").read_text()), out
+
+
+def test_cpu_run_writes_json_with_every_field(cpu_run: tuple[dict[str, Any], Path]) -> None:
+    doc, _ = cpu_run
+    env = doc["env"]
+    assert env["backend"]["name"] == "cpu" and env["meaningful"] is False and "not meaningful" in env["note"]
+    assert env["torch"] == torch.__version__ and env["hardware"] and env["date"][:2] == "20"
+    assert doc["h2d_GBps"] > 0
+    assert set(doc["workloads"]) == {"mlp", "transformer"}
+    for w in doc["workloads"].values():
+        assert w["weight_bytes"] >= sum(w["block_bytes"]) > 0
+    labels = {r["label"] for r in doc["runs"]}
+    assert {"resident_eager", "resident_compiled", "diffusers", "accelerate"} <= labels
+    for pol in ("BASE", "COST_EFFECTIVE", "HEURISTIC"):
+        assert {f"magi {pol} r=0", f"magi {pol} r=0.5", f"magi {pol} budget=0.5W"} <= labels
+    for r in doc["runs"]:
+        assert all(k in r for k in RUN_FIELDS), r
+        assert r["status"] in ("ok", "failed", "skipped")
+        if r["status"] != "ok":
+            assert r["reason"], r
+            continue
+        assert all(k in r for k in OK_FIELDS), r
+        assert len(r["steps_ms"]) == 10 and r["step_ms"] == pytest.approx(statistics.median(r["steps_ms"]), abs=1e-3)
+        assert math.isfinite(r["max_rel_err"]) and r["ratio_to_ideal"] > 0
+    eager = [r for r in doc["runs"] if r["system"] == "resident_eager"]
+    assert eager and all(r["status"] == "ok" and r["max_rel_err"] == 0.0 for r in eager)
+    assert {t["target"] for t in doc["targets"]} >= set(TARGETS)
+
+
+def test_cpu_run_magi_configs_match_resident(cpu_run: tuple[dict[str, Any], Path]) -> None:
+    doc, _ = cpu_run
+    magi = [r for r in doc["runs"] if r["system"] == "magi"]
+    why = magi_available()
+    if why is not None:
+        assert all(r["status"] == "skipped" and why in r["reason"] for r in magi)
+        pytest.skip(f"magi-core offload runtime not in this build: {why}")
+    failed = [(r["label"], r.get("reason")) for r in magi if r["status"] != "ok"]
+    assert not failed
+    for r in magi:
+        assert r["max_rel_err"] <= 1e-2, r["label"]
+        assert r["recompiles"] == 0, r["label"]
+        assert r["units"] >= 1 and r["streamed_bytes"] + r["resident_bytes"] >= r["weight_bytes"] * 0.99
+        assert r["pinned_bytes"] >= r["weight_bytes"]
+    full = [r for r in magi if r["ratio"] == 0.0]
+    assert all(r["resident_bytes"] == 0 for r in full)
+
+
+def test_cpu_run_leaves_no_registered_ranges(cpu_run: tuple[dict[str, Any], Path]) -> None:
+    assert cpu_backend.registered_ranges() == {}
+
+
+def test_report_markdown_and_plot(cpu_run: tuple[dict[str, Any], Path]) -> None:
+    doc, out = cpu_run
+    md = (out / "BENCH.md").read_text()
+    assert "Not meaningful" in md and "### Targets" in md
+    for r in doc["runs"]:
+        assert f"| {r['label']} |" in md
+    assert md.count("### mlp, 16 tokens") == 1 and md.count("### transformer, 16 tokens") == 1
+    pytest.importorskip("matplotlib")
+    pngs = list(out.glob("bench-*.png"))
+    assert len(pngs) == 1 and pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({pngs[0].name})" in md
+
+
+def test_report_script_regenerates_from_json(cpu_run: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_report", Path(__file__).parents[1] / "benchmarks/report.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, out = cpu_run
+    assert mod.main([str(out / "r.json"), "--md", str(tmp_path / "B.md")]) == 0
+    assert (tmp_path / "B.md").read_text() == (out / "BENCH.md").read_text()
+
+
+def _doc(runs: list[dict[str, Any]], bw_gbps: float = 100.0) -> dict[str, Any]:
+    base = {"workload": "m", "tokens": 2048, "policy": None, "ratio": None, "budget_fraction": None, "status": "ok",
+            "weight_bytes": 10**9, "recompiles": 0, "host_call_ms": 1.0, "peak_alloc_bytes": 0,
+            "peak_reserved_bytes": 0}
+    workload = {"block_bytes": [10**8] * 10, "weight_bytes": 10**9, "dtype": "torch.bfloat16", "shape": {}}
+    return {"h2d_GBps": bw_gbps, "workloads": {"m": workload},
+            "runs": [{**base, **r} for r in runs]}
+
+
+def test_analysis_ideal_ratio_and_targets() -> None:
+    doc = _doc([
+        {"system": "resident_eager", "label": "resident_eager", "step_ms": 12.0, "peak_alloc_bytes": 13 * 10**8},
+        {"system": "resident_compiled", "label": "resident_compiled", "step_ms": 4.0, "host_call_ms": 0.5},
+        {"system": "magi", "label": "magi H r=0", "policy": "H", "ratio": 0.0, "step_ms": 12.0,
+         "peak_alloc_bytes": 6 * 10**8, "units": 10, "pinned_bytes": 10**9},
+        {"system": "magi", "label": "magi H r=1", "policy": "H", "ratio": 1.0, "step_ms": 4.0, "units": 10,
+         "host_call_ms": 0.9, "resident_bytes": 10**9, "streamed_bytes": 0, "recompiles": 1},
+        {"system": "magi", "label": "magi H budget=0.5W", "policy": "H", "budget_fraction": 0.5, "step_ms": 5.0,
+         "streamed_bytes": 5 * 10**8},
+        {"system": "diffusers", "label": "diffusers", "step_ms": 11.0, "peak_alloc_bytes": 5 * 10**8},
+    ])
+    analysis.finalize(doc)
+    by = {r["label"]: r for r in doc["runs"]}
+    # 1 GB at 100 GB/s = 10 ms > 4 ms compiled resident, so the ideal at ratio 0 is 10 ms
+    assert by["magi H r=0"]["ideal_ms"] == pytest.approx(10.0)
+    assert by["magi H r=0"]["ratio_to_ideal"] == pytest.approx(1.2)
+    assert by["magi H r=0"]["speedup_vs"]["diffusers"] == pytest.approx(11 / 12)
+    assert by["magi H budget=0.5W"]["ideal_ms"] == pytest.approx(5.0)
+    assert by["magi H r=1"]["host_overhead_us_per_unit"] == pytest.approx(40.0)
+    t = {(x["target"], x["scope"]): x for x in doc["targets"]}
+    step = t[("step <= 1.01x ideal", "m 2048 tok, H (worst config)")]
+    assert step["status"] == "missed" and step["missed_by"] == pytest.approx(1.2 / 1.01 - 1)
+    peak = t[("peak at ratio 0 <= 2 largest units + activations", "m 2048 tok, magi H r=0")]
+    assert peak["limit"] == 2 * 10**8 + 3 * 10**8 and peak["status"] == "missed"
+    assert t[("peak at ratio 0 below diffusers", "m 2048 tok, magi H r=0")]["status"] == "missed"
+    assert t[("half budget <= 1.03x best hand-picked split", "m 2048 tok, magi H budget=0.5W")]["status"] == "met"
+    speed = t[("half budget >= 1.8x faster than diffusers", "m 2048 tok, magi H budget=0.5W")]
+    assert speed["value"] == pytest.approx(2.2) and speed["status"] == "met"
+    assert t[("host overhead <= 30 us/unit/step", "m 2048 tok (worst config)")]["missed_by"] == pytest.approx(1 / 3)
+    recompiles = t[("zero recompiles after warm-up", "m (all magi configs)")]
+    assert recompiles["status"] == "missed" and recompiles["missed_by"] == 1
+    assert t[("host pinned bytes <= 1.01x weights", "m (worst config)")]["status"] == "met"
+    md = report.markdown([{**doc, "env": _env()}], [None], Path("."))
+    assert "**missed** by 18.8%" in md
+
+
+def _env() -> dict[str, Any]:
+    backend = {"name": "b", "device_type": "d", "package": "p", "version": "v"}
+    return {"hardware": "test", "date": "2026-01-01T00:00:00+00:00", "meaningful": True, "torch": "t",
+            "magi_core": "m", "python": "p", "backend": backend}
+
+
+def test_fresh_copies_share_host_weights_and_start_clean() -> None:
+    w = mlp_workload(MLPShape(hidden=16, layers=2), torch.bfloat16)
+    a, b = w.fresh(), w.fresh()
+    pa, pb = a.blocks[0].up.weight, b.blocks[0].up.weight
+    assert pa is not pb and pa.data_ptr() == pb.data_ptr() == w.base["blocks.0.up.weight"].data_ptr()
+    a.to(torch.float32)  # a system changing its copy must not change the shared base or other copies
+    assert w.base["blocks.0.up.weight"].dtype == torch.bfloat16 and pb.dtype == torch.bfloat16
+    assert w.weight_bytes == 2 * 2 * 16 * 64 * 2 and w.block_bytes == [2 * 16 * 64 * 2] * 2
+
+
+@pytest.mark.parametrize("kwargs", [{"steps": 9}, {"models": ("gpt",)}, {"ratios": (1.5,)}, {"systems": ("x",)},
+                                    {"dtype": "int8"}, {"warmup": 0}])
+def test_bad_options_raise_config_error(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        BenchOptions(**kwargs)
+
+
+@pytest.mark.accelerator
+def test_accelerator_small_run(tmp_path: Path) -> None:
+    """A small real-device run: every system completes (peers unless missing) and magi matches resident."""
+    if not get_backend().is_accelerator:
+        pytest.skip("needs an accelerator backend")
+    rc = main(_parse(["--quick", "--mlp-hidden", "1024", "--mlp-layers", "4", "--tf-hidden", "1024", "--tf-layers",
+                      "2", "--tf-heads", "8", "--tokens", "256", "--probe-mb", "256", "--out",
+                      str(tmp_path / "r.json"), "--report", str(tmp_path / "B.md")]))
+    assert rc == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["env"]["meaningful"] is True
+    for r in doc["runs"]:
+        if r["system"] in ("diffusers", "accelerate") and r["status"] == "skipped":
+            assert "not installed" in r["reason"]
+            continue
+        assert r["status"] == "ok", (r["label"], r.get("reason"))
+        assert r["max_rel_err"] <= 2e-2, r["label"]
+    assert all(r["recompiles"] == 0 for r in doc["runs"] if r["system"] == "magi")
