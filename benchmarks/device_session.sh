@@ -28,7 +28,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     --junitxml="$OUT/accel.xml" 2>&1 | tee "$OUT/accel.log" || rc=1
 fi
 if [ "$what" = multi ] || [ "$what" = all ]; then
-  [ -f benchmarks/host_bandwidth.py ] && python3 benchmarks/host_bandwidth.py --out "$OUT/host_bandwidth.json" 2>&1 | tee "$OUT/host_bandwidth.log"
+  python3 benchmarks/host_bandwidth.py --out "$OUT/host_bandwidth_h200.json" 2>&1 | tee "$OUT/host_bandwidth.log" || rc=1
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/host_bandwidth.py \
+      --out "$OUT/host_bandwidth_2xh200.json" 2>&1 | tee "$OUT/host_bandwidth_2x.log" || rc=1
+  fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
