@@ -55,10 +55,9 @@ class _Carry:
 
 @dataclass
 class StepStats:
-    """Counters of the executor (cumulative): steps, bytes streamed and copies issued."""
+    """Counters of the executor (cumulative): steps and weight copies issued (streamed and resident)."""
 
     steps: int = 0
-    streamed_bytes: int = 0
     streamed_copies: int = 0
 
 
@@ -119,6 +118,10 @@ class OffloadExecutor:
         self._carry = {}
         self.plan = plan
         self.actions = actions
+        event = self.backend.device_module.Event
+        # one event per copy batch, re-recorded each step (a wait already enqueued is not affected)
+        self._batch_events = [event() for _ in actions.batches]
+        self._carry_events = {b: event() for b in actions.carry}
         n = self.n_units
         # positions that issue copies: the host first waits for the unit HOST_LEAD_UNITS before them
         sync = [-1] * n
@@ -184,7 +187,7 @@ class OffloadExecutor:
 
     def _issue(self, b: int, args: Sequence[Any], env: list[Any], events: list[Any], batches: Any) -> None:
         ws = batches[b]
-        devs, ev = self.copier.copy_batch([args[w] for w in ws])
+        devs, ev = self.copier.copy_batch([args[w] for w in ws], self._batch_events[b])
         for w, t in zip(ws, devs, strict=True):
             env[w] = t
         events[b] = ev
@@ -192,7 +195,7 @@ class OffloadExecutor:
     def _issue_carry(self, args: Sequence[Any], actions: StepActions) -> None:
         for b in actions.carry:
             hosts = [args[w] for w in actions.batches[b]]
-            devs, ev = self.copier.copy_batch(hosts)
+            devs, ev = self.copier.copy_batch(hosts, self._carry_events[b])
             self._carry[b] = _Carry(hosts, [h.data_ptr() for h in hosts], devs, ev)
 
     def _units(
@@ -210,7 +213,7 @@ class OffloadExecutor:
         sync_before = self._sync_before
         record_done = self._record_done
         batches = actions.batches
-        release = self.copier.release
+        release = self.copier.release if self.copier.needs_release else None
         range_push, range_pop = self.backend.range_push, self.backend.range_pop
         names = self._range_names
         last = self.n_units - 1
@@ -238,9 +241,9 @@ class OffloadExecutor:
             for idx, dst in lay.getitems:
                 env[dst] = result[idx]
             for w in actions.free[u]:
-                release(env[w], compute)
+                if release is not None:
+                    release(env[w], compute)
                 env[w] = None
             for s in lay.drop_after:
                 env[s] = None
-        self.stats.streamed_bytes = self.copier.bytes_copied
         self.stats.streamed_copies = self.copier.copies

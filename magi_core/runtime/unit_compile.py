@@ -56,7 +56,15 @@ def unit_callable(
 ) -> Callable[..., Any]:
     """The callable the executor launches for one unit (eager: the module's ``forward``)."""
     if compiler == "eager":
-        return module.forward
+        return eager_forward(module)
     if compiler == "inductor":
         return LazyUnit(module, name, install)
     raise ConfigError(f"unit compiler must be 'eager' or 'inductor' here, got {compiler!r}")
+
+
+def eager_forward(module: torch.fx.GraphModule) -> Callable[..., Any]:
+    """The generated ``forward`` of ``module``, bound, skipping lazy-recompile and ``nn.Module.__call__`` layers."""
+    real = getattr(module, "real_recompile", None)
+    if callable(real):
+        real()  # a lazy GraphModule generates its code now instead of on every call's check
+    return module.forward

@@ -29,18 +29,21 @@ class CopyEngine:
         self._stream_ctx = dm.stream
         self._event = dm.Event
         self._record_stream = backend.record_stream
-        self.bytes_copied = 0
+        #: False on the host backend: nothing to hand back to a device allocator.
+        self.needs_release = backend.is_accelerator
         self.copies = 0
 
-    def copy_batch(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        """Copy ``hosts`` to the device on the copy stream (non-blocking) and return the copies and their event."""
+    def copy_batch(self, hosts: list[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
+        """Copy ``hosts`` to the device on the copy stream (non-blocking); return the copies and their event.
+
+        ``event`` (optional) is re-recorded instead of creating one: the executor keeps one per copy batch.
+        """
         device = self.device
         with self._stream_ctx(self.copy_stream):
             outs = [h.to(device, non_blocking=True) for h in hosts]
-            ev = self._event()
+            ev = self._event() if event is None else event
             ev.record(self.copy_stream)
         self.copies += len(hosts)
-        self.bytes_copied += sum(h.nbytes for h in hosts)
         return outs, ev
 
     def copy_now(self, host: torch.Tensor, compute_stream: Any) -> torch.Tensor:
