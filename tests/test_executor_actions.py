@@ -1,0 +1,98 @@
+"""Pure pieces of the executor: action lists from a plan, scheduler profiles, device-branch detection."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from magi_core.passes.units import OffloadUnit, WeightSlot
+from magi_core.runtime.actions import build_actions, unit_profiles
+from magi_core.runtime.device_branches import device_branch_reasons
+from magi_core.runtime.plan import Plan
+
+
+def units(spec: list[list[tuple[int, int]]]) -> list[OffloadUnit]:
+    """Units from [[(input_index, nbytes), ...] per unit]; users filled from the spec."""
+    users: dict[int, list[int]] = {}
+    for u, ws in enumerate(spec):
+        for i, _ in ws:
+            users.setdefault(i, []).append(u)
+    return [
+        OffloadUnit(
+            index=u, attr=f"u{u}", node=None, module=None,  # type: ignore[arg-type]
+            weights=tuple(WeightSlot(i, f"w{i}", (n,), torch.uint8, n, tuple(users[i])) for i, n in ws),
+        )
+        for u, ws in enumerate(spec)
+    ]
+
+
+# unit 0 and unit 3 share weight 1 (tied); unit 2 has no weights
+SPEC = [[(1, 100), (2, 10)], [(3, 50)], [], [(4, 70), (1, 100)]]
+
+
+def plan(resident=(), at=None, next_step=()) -> Plan:
+    prefetch = {i: () for i in range(-1, 4)}
+    prefetch.update(at or {})
+    return Plan(policy="T", resident=frozenset(resident), prefetch_at=prefetch, next_step=tuple(next_step))
+
+
+def test_every_streamed_weight_copied_once_and_freed_after_last_user():
+    us = units(SPEC)
+    a = build_actions(us, plan(at={-1: (0,), 0: (1,), 1: (3,)}, next_step=()))
+    order = a.copy_order()
+    assert sorted(order) == [1, 2, 3, 4]
+    assert a.streamed_bytes == 230 and a.resident_bytes == 0
+    assert a.free[3] == (1, 4) and a.free[0] == (2,) and a.free[1] == (3,)
+    assert a.issue[0] and a.issue[1] and not a.issue[2]
+    # unit 3 waits only on its own new batch (weight 1 was waited on before unit 0)
+    assert [w for b in a.wait[3] for w in a.batches[b]] == [4]
+
+
+def test_units_the_plan_forgets_are_copied_on_demand():
+    a = build_actions(units(SPEC), plan())
+    assert [sorted(w for b in ids for w in a.batches[b]) for ids in a.issue] == [[1, 2], [3], [], [4]]
+
+
+def test_resident_tied_weight_belongs_to_first_user():
+    us = units(SPEC)
+    a = build_actions(us, plan(resident=(0,), at={0: (1,), 1: (3,)}))
+    assert a.resident == (1, 2)
+    assert sorted(a.copy_order()) == [3, 4]
+    profiles = unit_profiles(us)
+    assert [p.weight_bytes for p in profiles] == [110, 50, 0, 70]
+    assert profiles[0].last_use == 3 and profiles[1].last_use is None
+
+
+def test_next_step_batches_are_carried():
+    a = build_actions(units(SPEC), plan(at={-1: (1,), 1: (3,)}, next_step=(1,)) )
+    assert a.carry == a.start[:1]
+    order = a.copy_order()
+    assert order[-1] == 3 and order.count(3) == 1
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+def test_device_branch_detected_in_code_and_warned_at_compile(caplog):
+    assert device_branch_reasons(Branchy.forward.__code__)
+
+    def plain(x):
+        return x.to("cpu") + 1
+
+    assert not device_branch_reasons(plain.__code__)
+    torch._dynamo.reset()
+    f = torch.compile(Branchy(), backend="magi_offload", options={"unit_compiler": "eager"})
+    with caplog.at_level(logging.WARNING, logger="magi_core.runtime.device_branches"), torch.no_grad():
+        f(torch.randn(2, 4))
+    assert any("device-type branch" in r.getMessage() for r in caplog.records)
+    torch._dynamo.reset()
