@@ -315,6 +315,31 @@ def test_heuristic_never_slower_than_base_with_same_residency(
     assert heur.predicted_step_ms == pytest.approx(best_step_ms(profiles, resident, BW), abs=1e-9)
 
 
+@given(profiles=profile_lists, data=st.data(), window=st.integers(1, 3), margin=st.sampled_from([0.0, 0.1, 1.0]))
+def test_windowed_heuristic_matches_lookahead_time_with_no_more_memory(
+    profiles: list[UnitProfile], data: st.DataObject, window: int, margin: float
+) -> None:
+    weighted = [p.index for p in profiles if p.weight_bytes > 0]
+    resident = frozenset(data.draw(st.lists(st.sampled_from(weighted), unique=True)) if weighted else [])
+    heur = heuristic_plan(profiles, resident, BW, margin, window=window)
+    base = lookahead_plan("BASE", profiles, resident, window, BW)
+    assert heur.predicted_step_ms == pytest.approx(base.predicted_step_ms, abs=1e-9)
+    assert heur.notes["peak_device_bytes"] <= base.notes["peak_device_bytes"]
+    base_at, heur_at = base.trigger_of(), heur.trigger_of()
+    assert all(heur_at[j] >= base_at[j] or (j in heur.next_step and j in base.next_step) for j in heur_at)
+
+
+def test_heuristic_budget_limits_copies_ahead() -> None:
+    # a heavy unit followed by light ones: the fastest plan copies units 2..4 during unit 1 (4 units alive)
+    profiles = make_profiles([100] * 5, [0.5, 10.0, 0.5, 0.5, 0.5])
+    free = build_plan(profiles, BW, cfg())
+    assert free.prefetch_at[1] == (2, 3, 4) and free.notes["peak_device_bytes"] == 400
+    tight = build_plan(profiles, BW, cfg(device_memory_budget_bytes=200))
+    assert tight.notes["peak_device_bytes"] <= 200 and tight.resident == frozenset()
+    assert tight.predicted_step_ms > free.predicted_step_ms
+    assert tight.predicted_step_ms == pytest.approx(build_plan(profiles, BW, cfg("BASE")).predicted_step_ms)
+
+
 @given(profiles=profile_lists, policy=st.sampled_from(POLICIES), ratio=st.sampled_from([0.0, 0.5]))
 def test_plans_are_deterministic(profiles: list[UnitProfile], policy: str, ratio: float) -> None:
     config = cfg(policy, gpu_resident_weight_ratio=ratio)

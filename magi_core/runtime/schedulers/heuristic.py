@@ -7,6 +7,11 @@ the streamed units backwards from that schedule, each copy gets the latest start
 the bottleneck) and before the next copy must start; its trigger is the last launch point not later
 than that start. So the step time equals the shortest possible, and weights arrive as late as possible,
 which keeps the streamed working set small. Look-ahead plans are never faster for the same residency.
+
+Memory: shortest-step triggers may put several copies ahead of the running unit (e.g. during a heavy unit);
+``Plan.notes["peak_device_bytes"]`` says how much. Under ``device_memory_budget_bytes`` a plan that does not
+fit is rebuilt with copies at most ``lookahead`` streamed units ahead (same step time as look-ahead, later
+triggers), before residency is reduced.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ from magi_core.runtime.schedulers.common import (
     assemble,
     fill,
     least_compute_per_byte,
+    lookahead_triggers,
     next_step_eligible,
     plan_with_limits,
     planning_bandwidth,
     streamed_units,
 )
 from magi_core.runtime.schedulers.lookahead import lookahead_plan
-from magi_core.runtime.schedulers.simulate import transfer_ms
+from magi_core.runtime.schedulers.simulate import simulate, transfer_ms
 
 if TYPE_CHECKING:
     from magi_core.runtime.config import OffloadConfig
@@ -68,6 +74,18 @@ def _earliest(profiles: Sequence[UnitProfile], resident: frozenset[int], tms: Se
     return _Timeline(start, end, copy_end, streamed, n_early)
 
 
+def _windowed(
+    profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float, window: int
+) -> _Timeline:
+    """Steady-state timeline when no copy may be issued more than ``window`` streamed units ahead."""
+    prefetch_at, next_step = lookahead_triggers(profiles, resident, window)
+    draft = Plan("WINDOW", resident, prefetch_at, next_step)
+    sim = simulate(draft, profiles, bandwidth_Bps)
+    return _Timeline(
+        list(sim.start_ms), list(sim.end_ms), sim.copy_end_ms, streamed_units(profiles, resident), len(next_step)
+    )
+
+
 def best_step_ms(profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float) -> float:
     """The shortest steady-state step any plan with this resident set can reach at ``bandwidth_Bps``."""
     if not profiles:
@@ -78,15 +96,23 @@ def best_step_ms(profiles: Sequence[UnitProfile], resident: frozenset[int], band
 
 def heuristic_plan(
     profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float, margin_ms: float,
-    policy: str = "HEURISTIC",
+    policy: str = "HEURISTIC", window: int | None = None,
 ) -> Plan:
-    """Latest-trigger plan for a given resident set (``bandwidth_Bps`` already includes the safety factor)."""
+    """Latest-trigger plan for a given resident set (``bandwidth_Bps`` already includes the safety factor).
+
+    ``window``: None lets a copy be issued as many streamed units ahead as removes stall; an int ``w`` never
+    issues one earlier than the look-ahead-``w`` plan would (at most ``w + 1`` streamed units on the device),
+    and then matches that plan's step time with triggers as late as possible.
+    """
     n = len(profiles)
     tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
     at: dict[int, list[int]] = {i: [] for i in range(-1, n)}
     next_step: list[int] = []
     if n:
-        tl = _earliest(profiles, resident, tms)
+        if window is None:
+            tl = _earliest(profiles, resident, tms)
+        else:
+            tl = _windowed(profiles, resident, bandwidth_Bps, window)
         # latest copy starts, walking backwards: finish by the deadline and before the next copy starts
         latest_start: dict[int, float] = {}
         next_start = math.inf
@@ -165,8 +191,15 @@ class HeuristicScheduler:
         bw = planning_bandwidth(bandwidth_Bps, config)
         margin = config.prefetch_margin_ms
 
+        budget = config.device_memory_budget_bytes
+
         def build(cap: int) -> Plan:
-            return heuristic_plan(profiles, stall_removing_residency(profiles, cap, bw), bw, margin, self.name)
+            resident = stall_removing_residency(profiles, cap, bw)
+            plan = heuristic_plan(profiles, resident, bw, margin, self.name)
+            if budget is not None and plan.notes["peak_device_bytes"] > budget:
+                # too many copies ahead of the running unit for the budget: limit them to the look-ahead
+                plan = heuristic_plan(profiles, resident, bw, margin, self.name, window=config.lookahead)
+            return plan
 
         def fallback() -> Plan:
             return lookahead_plan(self.name, profiles, frozenset(), config.lookahead, bw)
