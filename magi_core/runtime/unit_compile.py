@@ -39,16 +39,8 @@ class LazyUnit:
 
         logger.debug("magi offload: compiling unit %s with inductor", self.name)
         compiled = compile_fx(self.module, list(args))
-        fn = _boxed_adapter(compiled)
-        self._on_compiled(fn)
-        return fn(*args)
-
-
-def _boxed_adapter(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """Inductor may return a boxed callable (takes one list); give it the positional calling convention."""
-    if getattr(compiled, "_boxed_call", False):
-        return lambda *args: compiled(list(args))
-    return compiled
+        self._on_compiled(compiled)  # called like Dynamo calls a backend's result: positionally
+        return compiled(*args)
 
 
 def unit_callable(
