@@ -258,9 +258,30 @@ def inputs_on(device: torch.device | str, example_inputs: Sequence[Any]) -> list
     for v in example_inputs:
         if isinstance(v, torch.Tensor) and not is_host_scalar_input(v):
             out.append(v.detach().to(device))
+        elif isinstance(v, torch.SymInt):  # Dynamo hands the backend its symbols; a real call passes ints
+            out.append(int(v.node.hint))
         else:
             out.append(v)
     return out
+
+
+def fake_run_on(device: torch.device | str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    """Propagate fake inputs on ``device`` (host scalars on the CPU) through a copy of ``gm``; return the outputs.
+
+    Fake tensors check devices strictly (unlike eager meta kernels, which let a CPU index meet a meta
+    tensor), so this raises ``FakeTensorDeviceMismatchError`` wherever a CPU tensor is left behind.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True), static_shapes=True)
+    fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in inputs_on(device, example_inputs)]
+    copy = clone_graph_module(gm)
+    for mod in all_graph_modules(copy):
+        for node in mod.graph.nodes:
+            node.meta.pop("unbacked_bindings", None)  # symbols of the tracing ShapeEnv, not of this one
+    return FakeTensorProp(copy, mode).propagate(*fakes)
 
 
 @contextlib.contextmanager

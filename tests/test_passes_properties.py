@@ -7,24 +7,21 @@ Profiles: ``HYPOTHESIS_PROFILE=ci`` (default, bounded, derandomized) or ``dev`` 
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import pytest
 import torch
 import torch.fx
 from hypothesis import example, given
-from torch import nn
-
-from magi_core.passes.device_placement import PlacementReport, is_cpu_device, place_on_device
-from magi_core.passes.split import split_into_units
-from magi_core.passes.units import SplitGraph
-from magi_core.passes.weights import node_value
+from hypothesis import strategies as st
 from strategies import (
     FxSpec,
     ModelSpec,
     all_graph_modules,
     build_fx_graph,
     build_model,
+    fake_run_on,
     flat_tensors,
     fx_specs,
     inputs_on,
@@ -33,6 +30,12 @@ from strategies import (
     orig_to_installed,
     trace_with,
 )
+from torch import nn
+
+from magi_core.passes.device_placement import PlacementReport, is_cpu_device, place_on_device
+from magi_core.passes.split import split_into_units
+from magi_core.passes.units import SplitGraph
+from magi_core.passes.weights import node_value
 
 META = torch.device("meta")
 ALIASES = ("to", "orig_to")
@@ -105,6 +108,8 @@ def check_runs_on_meta(gm: torch.fx.GraphModule, inputs: list[Any], reference: A
     out = gm(*inputs_on(META, inputs))
     for got, want in zip(flat_tensors(out), flat_tensors(reference), strict=True):
         assert got.device == META and got.shape == want.shape and got.dtype == want.dtype
+    fake_out = fake_run_on(META, gm, inputs)  # fake tensors raise on any CPU/meta mix eager meta lets through
+    assert all(t.device == META for t in flat_tensors(fake_out))
 
 
 def check_split(split: SplitGraph, original: torch.fx.GraphModule, inputs: list[Any], reference: Any,
@@ -114,9 +119,9 @@ def check_split(split: SplitGraph, original: torch.fx.GraphModule, inputs: list[
     placeholders = list(top.graph.find_nodes(op="placeholder"))
     assert len(placeholders) == len(list(original.graph.find_nodes(op="placeholder")))
     for node in top.graph.nodes:
-        assert node.op in ("placeholder", "call_module", "output") or node.target is __import__("operator").getitem
+        assert node.op in ("placeholder", "call_module", "output") or node.target is operator.getitem
     if exact:
-        out = top(*inputs)
+        out = top(*inputs_on("cpu", inputs))
         for got, want in zip(flat_tensors(out), flat_tensors(reference), strict=True):
             assert torch.equal(got, want)
     index_of = {p: i for i, p in enumerate(placeholders)}
@@ -127,7 +132,8 @@ def check_split(split: SplitGraph, original: torch.fx.GraphModule, inputs: list[
         reaching = []
         for unit in split.units:
             unit_phs = list(unit.module.graph.find_nodes(op="placeholder"))
-            positions = [p for p, a in enumerate(unit.node.args) if isinstance(a, torch.fx.Node) and index_of.get(a) == i]
+            positions = [p for p, a in enumerate(unit.node.args)
+                         if isinstance(a, torch.fx.Node) and index_of.get(a) == i]
             assert len(positions) <= 1
             if positions:
                 assert unit_phs[positions[0]].users, f"unit {unit.index} receives weight {i} but does not use it"
@@ -170,7 +176,7 @@ def test_dynamo_graphs_properties(spec: ModelSpec) -> None:
     trace = trace_with(model, model_inputs(spec), _all_passes)
     inputs, res = trace.example_inputs, trace.result
     with torch.no_grad():
-        reference = res["cpu_original"](*inputs)
+        reference = res["cpu_original"](*inputs_on("cpu", inputs))
         check_split(res["cpu_split"], res["cpu_original"], inputs, reference)
         check_placement(trace.gm, inputs, res["before"], res["report"])
         check_runs_on_meta(trace.gm, inputs, reference)
@@ -179,7 +185,7 @@ def test_dynamo_graphs_properties(spec: ModelSpec) -> None:
         assert sum(lbl.startswith("layers.") for lbl in labels) >= spec.n_blocks
 
 
-@given(model_specs(min_blocks=1), __import__("hypothesis").strategies.integers(1, 4000))
+@given(model_specs(min_blocks=1), st.integers(1, 4000))
 def test_dynamo_split_with_budget(spec: ModelSpec, budget: int) -> None:
     """Property 6 with ``max_unit_bytes``: outputs equal; no unit over budget unless one op needs more."""
     def split(gm: torch.fx.GraphModule, inputs: list[Any]) -> SplitGraph:
@@ -187,7 +193,7 @@ def test_dynamo_split_with_budget(spec: ModelSpec, budget: int) -> None:
 
     trace = trace_with(build_model(spec), model_inputs(spec), split)
     with torch.no_grad():
-        reference = trace.pristine(*trace.example_inputs)
+        reference = trace.pristine(*inputs_on("cpu", trace.example_inputs))
         check_split(trace.result, trace.pristine, trace.example_inputs, reference)
     for unit in trace.result.units:
         if unit.nbytes > budget:  # allowed only when a single op reads more than the budget
