@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of models: mlp,transformer (default both)")
     parser.add_argument("--systems", type=_csv(str), default=SYSTEMS,
                         help=f"comma list of systems (default all: {','.join(SYSTEMS)})")
-    parser.add_argument("--policies", type=_csv(str), default=("BASE", "COST_EFFECTIVE", "HEURISTIC"),
-                        help="magi-core policies (default all three)")
+    parser.add_argument("--policies", type=_csv(str), default=("HEURISTIC", "COST_EFFECTIVE", "BASE"),
+                        help="magi-core policies, run in this order (default all three)")
     parser.add_argument("--ratios", type=_csv(float), default=(0.0, 0.25, 0.5),
                         help="gpu_resident_weight_ratio values (default 0,0.25,0.5)")
     parser.add_argument("--budgets", type=_csv(float), default=(0.5,),
@@ -95,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
         if options.out is None:
             from dataclasses import replace
 
-            options = replace(options, out=default_out_path(environment(backend), _repo_root()))
+            models = options.models if set(options.models) != {"mlp", "transformer"} else ()
+            options = replace(options, out=default_out_path(environment(backend), models, _repo_root()))
         doc = run_benchmark(options, backend)
     except MagiError as exc:
         print(f"magi bench: {exc}", file=sys.stderr)

@@ -97,6 +97,10 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         block_bytes = doc["workloads"].get(wl, {}).get("block_bytes") or [0]
         two_units = sum(sorted(block_bytes)[-2:])
         for r in (r for r in okg if r["system"] == "magi" and r.get("ratio") == 0.0):
+            if eager is not None and eager["peak_alloc_bytes"] == 0:
+                out.append(_target("peak at ratio 0 <= 2 largest units + activations", f"{scope}, {r['label']}",
+                                   None, 0.0, True, "B", "the backend reports no device memory statistics"))
+                continue
             limit = two_units + activations if activations is not None else None
             if limit is not None:
                 out.append(_target("peak at ratio 0 <= 2 largest units + activations", f"{scope}, {r['label']}",

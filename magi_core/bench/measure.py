@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 
 from magi_core.backend import Backend
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,24 @@ def time_steps(backend: Backend, fn: Callable[[], Any], steps: int, warmup: int)
     return StepTimes([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], host), out
 
 
-def measure_h2d_gbps(backend: Backend, nbytes: int, iters: int = 8) -> float:
-    """Host-to-device bandwidth (GB/s) of ``nbytes`` copies from host memory registered in place by the backend."""
+def measure_h2d_gbps(backend: Backend, nbytes: int, iters: int = 8) -> tuple[float, str]:
+    """Host-to-device bandwidth (GB/s) of ``nbytes`` copies from pinned host memory, and how it was pinned.
+
+    The source is registered in place through the backend (as magi-core pins its arenas); if the backend
+    refuses, a ``pin_memory()`` copy is used instead and the method says so.
+    """
     dm = backend.device_module
     n = max(1, nbytes // 2)
     src = torch.ones(n, dtype=torch.bfloat16)
     dst = torch.empty(n, dtype=torch.bfloat16, device=backend.device())
-    backend.host_register(src.data_ptr(), n * 2)
+    registered = False
+    method = "host_register"
+    try:
+        backend.host_register(src.data_ptr(), n * 2)
+        registered = True
+    except Exception as exc:  # fall back to the allocator's pinned copy, and say so in the result
+        logger.warning("H2D probe: host_register refused (%s); using a pin_memory() copy", exc)
+        src, method = src.pin_memory(), "pin_memory"
     try:
         for _ in range(2):
             dst.copy_(src, non_blocking=True)
@@ -74,8 +88,9 @@ def measure_h2d_gbps(backend: Backend, nbytes: int, iters: int = 8) -> float:
         dm.synchronize()
         ms = max(start.elapsed_time(end), 1e-6) / iters
     finally:
-        backend.host_unregister(src.data_ptr())
-    return n * 2 / (ms / 1e3) / 1e9
+        if registered:
+            backend.host_unregister(src.data_ptr())
+    return n * 2 / (ms / 1e3) / 1e9, method
 
 
 def reset_peak(backend: Backend) -> None:

@@ -43,7 +43,7 @@ class BenchOptions:
 
     models: tuple[str, ...] = ("mlp", "transformer")
     systems: tuple[str, ...] = SYSTEMS
-    policies: tuple[str, ...] = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
+    policies: tuple[str, ...] = ("HEURISTIC", "COST_EFFECTIVE", "BASE")
     ratios: tuple[float, ...] = (0.0, 0.25, 0.5)
     budgets: tuple[float, ...] = (0.5,)
     steps: int = 10

@@ -161,6 +161,13 @@ def markdown(docs: Sequence[dict[str, Any]], plots: Sequence[Path | None], md_di
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _resident_fraction(r: dict[str, Any]) -> float:
+    """Resident share of the weight bytes: what the runtime reports, else the configured ratio."""
+    if r.get("resident_bytes") is not None and r["weight_bytes"]:
+        return float(r["resident_bytes"]) / r["weight_bytes"]
+    return float(r.get("ratio") or 0.0)
+
+
 def plot(doc: dict[str, Any], path: Path) -> Path | None:
     """Step time against residency ratio for each system, with the ideal line; None if matplotlib is missing."""
     try:
@@ -171,21 +178,22 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         logger.warning("matplotlib is not installed (pip install 'magi-core[bench]'): no plot written")
         return None
-    pairs = sorted({(r["workload"], r["tokens"]) for r in doc["runs"]})
-    if not pairs:
+    wls = sorted({r["workload"] for r in doc["runs"]})
+    toks = sorted({r["tokens"] for r in doc["runs"]})
+    if not wls:
         return None
-    fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4.2), squeeze=False)
+    fig, axes = plt.subplots(len(wls), len(toks), figsize=(6.0 * len(toks), 4.4 * len(wls)), squeeze=False)
     bw = doc["h2d_GBps"] * 1e9
-    for ax, (wl, tok) in zip(axes[0], pairs, strict=True):
+    for (i, wl), (j, tok) in ((a, b) for a in enumerate(wls) for b in enumerate(toks)):
+        ax = axes[i][j]
         runs = [r for r in analysis.ok_runs(doc) if r["workload"] == wl and r["tokens"] == tok]
         for pol in sorted({r["policy"] for r in runs if r["system"] == "magi"}):
-            pts = sorted((r["ratio"], r["step_ms"]) for r in runs if r["policy"] == pol and r.get("ratio") is not None)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=f"magi {pol}")
-            bud = [r for r in runs if r["policy"] == pol and r.get("budget_fraction") is not None
-                   and r.get("resident_bytes") is not None]
-            for r in bud:
-                ax.scatter([r["resident_bytes"] / r["weight_bytes"]], [r["step_ms"]], marker="*", s=90,
+            pts = sorted((_resident_fraction(r), r["step_ms"]) for r in runs
+                         if r["policy"] == pol and r.get("ratio") is not None)
+            line = ax.plot(*zip(*pts, strict=True), marker="o", label=f"magi {pol}") if pts else None
+            for r in (r for r in runs if r["policy"] == pol and r.get("budget_fraction") is not None):
+                ax.scatter([_resident_fraction(r)], [r["step_ms"]], marker="*", s=110,
+                           color=line[0].get_color() if line else None,
                            label=f"magi {pol} budget {r['budget_fraction']:g}W")
         resident = next((r for r in runs if r["system"] == "resident_compiled"), None) or \
             next((r for r in runs if r["system"] == "resident_eager"), None)
@@ -197,7 +205,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
                 ax.scatter([0.0], [r["step_ms"]], marker="x", s=70, label=r["label"])
         if resident is not None:
             weights = doc["workloads"][wl]["weight_bytes"]
-            xs = [i / 50 for i in range(51)]
+            xs = [k / 50 for k in range(51)]
             ax.plot(xs, [max(resident["step_ms"], (1 - x) * weights / bw * 1e3) for x in xs], color="red",
                     linewidth=1, label="ideal")
         ax.set_title(f"{wl}, {tok} tokens")

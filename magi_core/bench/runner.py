@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import os
 import platform
 import re
 import time
@@ -31,9 +32,13 @@ NOT_MEANINGFUL = ("cpu backend: tiny models on the host, no accelerator; the fig
 
 
 def system_specs(options: BenchOptions) -> list[SystemSpec]:
-    """The configurations to run, in order: residents first (the reference), then magi-core, then peers."""
+    """The configurations to run, most important first (a ``--time-budget`` skips from the end).
+
+    Residents first (the error reference and the ideal), then diffusers, magi-core policy by policy, the
+    all-resident overhead probe, and accelerate (the slowest) last.
+    """
     specs: list[SystemSpec] = []
-    for kind in ("resident_eager", "resident_compiled"):
+    for kind in ("resident_eager", "resident_compiled", "diffusers"):
         if kind in options.systems:
             specs.append(SystemSpec(kind))
     if "magi" in options.systems:
@@ -42,10 +47,9 @@ def system_specs(options: BenchOptions) -> list[SystemSpec]:
             specs += [SystemSpec("magi", policy=policy.upper(), budget_fraction=b) for b in options.budgets]
         if options.overhead_probe and options.policies and 1.0 not in options.ratios:
             # everything resident: no copies and no host waits, so the host call time is the executor's own cost
-            specs.append(SystemSpec("magi", policy=options.policies[-1].upper(), ratio=1.0))
-    for kind in ("diffusers", "accelerate"):
-        if kind in options.systems:
-            specs.append(SystemSpec(kind))
+            specs.append(SystemSpec("magi", policy=options.policies[0].upper(), ratio=1.0))
+    if "accelerate" in options.systems:
+        specs.append(SystemSpec("accelerate"))
     return specs
 
 
@@ -76,11 +80,31 @@ def environment(backend: Backend) -> dict[str, Any]:
     }
 
 
-def default_out_path(env: dict[str, Any], root: Path | None = None) -> Path:
-    """``benchmarks/results/<date>-<hardware>.json`` under the repository (or ``root``)."""
+def default_out_path(env: dict[str, Any], models: tuple[str, ...] = (), root: Path | None = None) -> Path:
+    """``benchmarks/results/<date>-<hardware>[-<models>].json`` under ``root`` (default the working directory)."""
     root = root if root is not None else Path.cwd()
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["hardware"]).strip("-").lower()[:40] or "unknown"
-    return root / "benchmarks" / "results" / f"{env['date'][:10]}-{slug}.json"
+    suffix = "".join(f"-{m}" for m in models)
+    return root / "benchmarks" / "results" / f"{env['date'][:10]}-{slug}{suffix}.json"
+
+
+def shm_note(backend: Backend, largest_weights: int) -> str | None:
+    """A warning when the shared-memory directory magi-core maps weights into cannot hold the largest model."""
+    from magi_core.host.config import HostOptions
+
+    opts = HostOptions().resolve()
+    if opts.skip_shm or not backend.is_accelerator:
+        return None
+    try:
+        st = os.statvfs(opts.shm_dir)
+    except OSError as exc:
+        return f"cannot stat the shared-memory directory {opts.shm_dir}: {exc}"
+    free = st.f_bavail * st.f_frsize
+    if free >= 1.05 * largest_weights:
+        return None
+    return (f"{opts.shm_dir} has {free / 1e9:.2f} GB free but a model has {largest_weights / 1e9:.2f} GB of weights: "
+            "magi-core configurations will fail; enlarge it (docker --shm-size) or set MAGI_SHM_DIR to a larger "
+            "tmpfs")
 
 
 def _record_base(w: Workload, spec: SystemSpec, tokens: int) -> dict[str, Any]:
@@ -147,15 +171,21 @@ def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
     start = time.perf_counter()
     logger.info("magi bench on %s (%s backend)%s", env["hardware"], backend.name,
                 "" if backend.is_accelerator else " - " + NOT_MEANINGFUL)
-    h2d = measure.measure_h2d_gbps(backend, options.h2d_probe_bytes(backend.is_accelerator))
-    logger.info("pinned H2D bandwidth: %.2f GB/s", h2d)
+    h2d, h2d_method = measure.measure_h2d_gbps(backend, options.h2d_probe_bytes(backend.is_accelerator))
+    logger.info("pinned H2D bandwidth: %.2f GB/s (%s)", h2d, h2d_method)
     doc: dict[str, Any] = {
         "schema": SCHEMA_VERSION, "env": env, "options": options.as_json(), "sizes": sizes.__dict__,
-        "h2d_GBps": h2d, "h2d_probe_bytes": options.h2d_probe_bytes(backend.is_accelerator),
+        "h2d_GBps": h2d, "h2d_probe_bytes": options.h2d_probe_bytes(backend.is_accelerator), "h2d_method": h2d_method,
         "workloads": {}, "runs": [], "notes": [],
     }
     specs = system_specs(options)
     for w in workloads(options, sizes):
+        if "magi" in options.systems:
+            with torch.device("meta"):
+                note = shm_note(backend, sum(p.numel() * p.element_size() for p in w.build().parameters()))
+            if note is not None:
+                logger.warning("%s", note)
+                doc["notes"].append(note)
         t0 = time.perf_counter()
         w.materialize_base()
         doc["workloads"][w.name] = {
@@ -208,6 +238,7 @@ def _run_system(backend: Backend, w: Workload, spec: SystemSpec, tokens_list: tu
     finally:
         if p is not None:
             try:
+                backend.device_module.synchronize()
                 p.close()
             except Exception as exc:
                 logger.warning("%s %s teardown failed: %s", w.name, spec.label, exc)
