@@ -1,9 +1,10 @@
-"""Shared pytest setup: hypothesis profiles (``HYPOTHESIS_PROFILE``: ``ci`` by default, or ``dev``)."""
+"""Shared pytest setup: hypothesis profiles (``HYPOTHESIS_PROFILE``: ``ci`` default, or ``dev``); ``emulated`` skip."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -16,3 +17,18 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _musa_backend_installed() -> bool:
+    import importlib_metadata
+
+    return any(ep.name == "musa" for ep in importlib_metadata.entry_points(group="magi.backends"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``emulated`` tests (torch_musa emulation + MUSA backend) where magi-backend-musa is not installed."""
+    emulated = [item for item in items if item.get_closest_marker("emulated") is not None]
+    if emulated and not _musa_backend_installed():
+        skip = pytest.mark.skip(reason="needs magi-backend-musa installed (run: tox -e musa)")
+        for item in emulated:
+            item.add_marker(skip)
