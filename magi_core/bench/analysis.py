@@ -54,7 +54,8 @@ def derive(doc: dict[str, Any]) -> None:
             if r.get("pinned_bytes") is not None:
                 r["pinned_over_weights"] = r["pinned_bytes"] / weights
             if (r["system"] == "magi" and r.get("ratio") == 1.0 and r.get("host_overhead_us_per_unit") is None
-                    and resident is not None and r.get("units")):
+                    and resident is not None and r.get("units") and r.get("host_call_ms") is not None
+                    and resident.get("host_call_ms") is not None):
                 extra_ms = max(0.0, r["host_call_ms"] - resident["host_call_ms"])
                 r["host_overhead_us_per_unit"] = extra_ms * 1e3 / r["units"]
                 r["host_overhead_estimated"] = True

@@ -58,6 +58,23 @@ def time_steps(backend: Backend, fn: Callable[[], Any], steps: int, warmup: int)
     return StepTimes([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], host), out
 
 
+def host_call_ms(backend: Backend, fn: Callable[[], Any], calls: int = 5) -> float:
+    """Median host time (ms) of one call issued onto an idle device (synchronised before and after each).
+
+    Starting from an empty launch queue, the call never blocks on a full queue, so this is the host's own
+    cost of issuing the step (Python, scheduling and kernel launches) unless the callee itself waits.
+    """
+    dm = backend.device_module
+    times = []
+    for _ in range(calls):
+        dm.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    dm.synchronize()
+    return statistics.median(times)
+
+
 def measure_h2d_gbps(backend: Backend, nbytes: int, iters: int = 8) -> tuple[float, str]:
     """Host-to-device bandwidth (GB/s) of ``nbytes`` copies from pinned host memory, and how it was pinned.
 

@@ -62,6 +62,8 @@ class Prepared:
     info: dict[str, Any] = field(default_factory=dict)
     close: Callable[[], None] = lambda: None
     stats: Callable[[], dict[str, Any]] = dict
+    host_timing: bool = True
+    """Also time single calls on an idle device (host overhead); off for the slow peers."""
 
 
 def _no_grad(fn: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
@@ -151,7 +153,7 @@ def prepare_diffusers(workload: Workload, backend: Backend) -> Prepared:
     backend.device_module.synchronize()
     return Prepared(_no_grad(model), time.perf_counter() - t0, 2,
                     info={"resident_bytes": 0, "streamed_bytes": workload.weight_bytes,
-                          "units": len(workload.block_bytes)})
+                          "units": len(workload.block_bytes)}, host_timing=False)
 
 
 def prepare_accelerate(workload: Workload, backend: Backend) -> Prepared:
@@ -166,7 +168,7 @@ def prepare_accelerate(workload: Workload, backend: Backend) -> Prepared:
     backend.device_module.synchronize()
     return Prepared(_no_grad(model), time.perf_counter() - t0, 1,
                     info={"resident_bytes": 0, "streamed_bytes": workload.weight_bytes,
-                          "units": sum(1 for m in model.modules() if not list(m.children()))})
+                          "units": sum(1 for m in model.modules() if not list(m.children()))}, host_timing=False)
 
 
 def prepare(workload: Workload, backend: Backend, spec: SystemSpec, compile_on_cpu: bool = False) -> Prepared:
