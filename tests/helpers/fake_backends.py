@@ -20,6 +20,8 @@ from typing import Any
 
 #: Environment variables the subprocess must not inherit (they change selection or logging).
 _SCRUBBED_ENV = ("MAGI_BACKEND", "MAGI_TRACE_HOOKS")
+#: Hide real accelerators from the subprocess so selection tests behave the same on a GPU host.
+HIDE_ACCELERATORS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "MUSA_VISIBLE_DEVICES": ""}
 
 #: Every hook a complete fake backend implements.
 ALL_FAKE_HOOKS = (
@@ -143,8 +145,9 @@ class Run:
 
 
 def python_env(paths: Sequence[Path] = (), env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for a subprocess that sees ``paths`` first on PYTHONPATH, with magi variables scrubbed."""
+    """Environment for a subprocess: ``paths`` first on PYTHONPATH, magi variables scrubbed, accelerators hidden."""
     out = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    out.update(HIDE_ACCELERATORS)
     out["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *filter(None, [os.environ.get("PYTHONPATH")])])
     out.update(env or {})
     return out
