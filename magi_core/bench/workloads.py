@@ -17,6 +17,9 @@ from torch import nn
 
 from magi_core.models import SyntheticTransformer, TransformerSpec
 
+#: Elements of the random pool the base weights are tiled from.
+POOL_ELEMENTS = (1 << 24) + 4099  # not a multiple of a row length: repeats land shifted
+
 
 @dataclass(frozen=True)
 class MLPShape:
@@ -81,20 +84,33 @@ class Workload:
         return [sizes[i] for i in sorted(sizes)]
 
     def materialize_base(self, seed: int = 0) -> None:
-        """Create the host base weights once (uniform in +-1/sqrt(fan_in), norms at one)."""
+        """Create the host base weights once: uniform in +-1/sqrt(fan_in), norms at one.
+
+        Values are tiled from one random pool per bound at a per-tensor offset (a plain copy, so several GB
+        take seconds, not the minutes a seeded ``uniform_`` of every element would).
+        """
         if self.base:
             return
         with torch.device("meta"):
             skeleton = self.build()
         gen = torch.Generator().manual_seed(seed)
+        period = POOL_ELEMENTS
+        noise = torch.empty(2 * period).uniform_(-1.0, 1.0, generator=gen)
+        pools: dict[int, torch.Tensor] = {}
         base: dict[str, torch.Tensor] = {}
-        for name, p in skeleton.named_parameters():
+        for i, (name, p) in enumerate(skeleton.named_parameters()):
             t = torch.empty(p.shape, dtype=self.dtype)
             if p.dim() == 1:
                 t.fill_(1.0)
             else:
-                bound = 1.0 / math.sqrt(p.shape[1])
-                t.uniform_(-bound, bound, generator=gen)
+                fan_in = int(p.shape[1])
+                if fan_in not in pools:
+                    pools[fan_in] = (noise / math.sqrt(fan_in)).to(self.dtype)
+                pool, flat = pools[fan_in], t.view(-1)
+                offset = (i * 7919) % period
+                for start in range(0, flat.numel(), period):
+                    n = min(period, flat.numel() - start)
+                    flat[start:start + n].copy_(pool[offset:offset + n])
             base[name] = t
         self.base = base
 
