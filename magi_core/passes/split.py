@@ -246,7 +246,7 @@ class _Splitter:
         kwargs: dict[str, Any] = {"keep_original_order": True}
         if "tuple_return" in inspect.signature(split_module).parameters:
             kwargs["tuple_return"] = True
-        split_gm = split_module(self.gm, None, lambda n: renumber[assign[n]], **kwargs)
+        split_gm = split_module(self.gm, self.gm, lambda n: renumber[assign[n]], **kwargs)
         self._clean_top_level(split_gm)
         return self._describe(split_gm, labels)
 
@@ -304,12 +304,14 @@ class _Splitter:
         units = []
         for u, call in enumerate(calls):
             found = unit_weight_args[u]
+            module = split_gm.get_submodule(str(call.target))
+            assert isinstance(module, torch.fx.GraphModule)
             units.append(
                 OffloadUnit(
                     index=u,
                     attr=str(call.target),
                     node=call,
-                    module=split_gm.get_submodule(str(call.target)),
+                    module=module,
                     weights=tuple(slots[i] for i, _ in found),
                     label=labels[u],
                     weight_arg_positions=tuple(pos for _, pos in found),
