@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from magi_core.bench.options import SYSTEMS, BenchOptions
 from magi_core.bench.runner import default_out_path, environment, run_benchmark
@@ -22,8 +24,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["BenchOptions", "add_arguments", "main", "options_from_args", "run_benchmark"]
 
 
-def _csv(kind: type) -> object:
-    def parse(text: str) -> tuple[object, ...]:
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    def parse(text: str) -> tuple[Any, ...]:
         return tuple(kind(v) for v in text.split(",") if v.strip())
 
     return parse

@@ -93,7 +93,7 @@ def shm_note(backend: Backend, largest_weights: int) -> str | None:
     from magi_core.host.config import HostOptions
 
     opts = HostOptions().resolve()
-    if opts.skip_shm or not backend.is_accelerator:
+    if opts.skip_shm or not backend.is_accelerator or opts.shm_dir is None:
         return None
     try:
         st = os.statvfs(opts.shm_dir)

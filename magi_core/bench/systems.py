@@ -111,6 +111,7 @@ def magi_available() -> str | None:
 def _magi_config(spec: SystemSpec, weight_bytes: int) -> Any:
     from magi_core.runtime.config import OffloadConfig
 
+    assert spec.policy is not None, "magi configurations name a policy"
     if spec.budget_fraction is not None:
         return OffloadConfig(policy=spec.policy, device_memory_budget_bytes=int(spec.budget_fraction * weight_bytes))
     return OffloadConfig(policy=spec.policy, gpu_resident_weight_ratio=float(spec.ratio or 0.0))
