@@ -193,9 +193,9 @@ def test_accelerator_small_run(tmp_path: Path) -> None:
     """A small real-device run: every system completes (peers unless missing) and magi matches resident."""
     if not get_backend().is_accelerator:
         pytest.skip("needs an accelerator backend")
-    rc = main(_parse(["--quick", "--mlp-hidden", "1024", "--mlp-layers", "4", "--tf-hidden", "1024", "--tf-layers",
-                      "2", "--tf-heads", "8", "--tokens", "256", "--probe-mb", "256", "--out",
-                      str(tmp_path / "r.json"), "--report", str(tmp_path / "B.md")]))
+    rc = main(_parse(["--quick", "--mlp-hidden", "1024", "--mlp-layers", "8", "--tf-hidden", "1024", "--tf-layers",
+                      "6", "--tf-heads", "8", "--tokens", "256", "--probe-mb", "256", "--policies", "HEURISTIC,BASE",
+                      "--ratios", "0,0.5", "--out", str(tmp_path / "r.json"), "--report", str(tmp_path / "B.md")]))
     assert rc == 0
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["env"]["meaningful"] is True
@@ -205,4 +205,7 @@ def test_accelerator_small_run(tmp_path: Path) -> None:
             continue
         assert r["status"] == "ok", (r["label"], r.get("reason"))
         assert r["max_rel_err"] <= 2e-2, r["label"]
-    assert all(r["recompiles"] == 0 for r in doc["runs"] if r["system"] == "magi")
+    magi = [r for r in doc["runs"] if r["system"] == "magi"]
+    assert all(r["recompiles"] == 0 and r["pinned_bytes"] >= r["weight_bytes"] for r in magi)
+    assert all(r["peak_alloc_bytes"] > 0 for r in doc["runs"] if r["status"] == "ok")
+    assert (tmp_path / "B.md").exists()
