@@ -159,6 +159,7 @@ warm-up). "ideal" = max(compiled resident step time, streamed bytes / pinned H2D
 in the same run); "x faster than P" = P's step time / this step time; setup = materialise + pin
 (+ wrap), "first call" includes compilation; recompiles are Dynamo graphs compiled during the timed
 steps; max rel err = max|out - ref| / max|ref| against the first system run (resident eager).
+copy GB/s = weight bytes streamed per step / step time (peers are taken to stream every weight).
 Executor host overhead per unit = (host time of one call of magi-core with every weight resident
 minus that of the compiled resident model, each issued onto an idle device) / units.
 """
