@@ -27,7 +27,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     paths = args.results or sorted((ROOT / "benchmarks" / "results").glob("*.json"))
     docs = [load(p) for p in paths]
-    docs.sort(key=lambda d: (not d["env"].get("meaningful", False), d["env"]["date"]), reverse=False)
     for path in write_report(docs, args.md, args.plots):
         print(f"wrote {path}")
     return 0

@@ -244,7 +244,9 @@ def write_report(docs: Sequence[dict[str, Any]], md_path: Path, plot_dir: Path |
     """Write ``md_path`` and one PNG per document (in ``plot_dir``, default next to the Markdown); return the files."""
     md_path = Path(md_path)
     plot_dir = plot_dir if plot_dir is not None else md_path.parent
-    docs = sorted((analysis.finalize(d) for d in docs), key=lambda d: d["env"]["date"], reverse=True)
+    docs = [analysis.finalize(d) for d in docs]
+    docs.sort(key=lambda d: d["env"]["date"], reverse=True)  # newest first ...
+    docs.sort(key=lambda d: not d["env"].get("meaningful", False))  # ... accelerator runs before host-only ones
     plots = [plot(d, plot_dir / f"bench-{_slug(d)}.png") for d in docs]
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(markdown(docs, plots, md_path.parent))
