@@ -209,3 +209,13 @@ def test_accelerator_small_run(tmp_path: Path) -> None:
     assert all(r["recompiles"] == 0 and r["pinned_bytes"] >= r["weight_bytes"] for r in magi)
     assert all(r["peak_alloc_bytes"] > 0 for r in doc["runs"] if r["status"] == "ok")
     assert (tmp_path / "B.md").exists()
+
+
+def test_report_puts_accelerator_runs_first(cpu_run: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    cpu_doc, _ = cpu_run
+    accel = _doc([{"system": "resident_eager", "label": "resident_eager", "step_ms": 3.0}])
+    accel["env"] = {**_env(), "hardware": "accelerator-x", "date": "2000-01-01T00:00:00+00:00"}
+    files = report.write_report([cpu_doc, accel], tmp_path / "B.md")
+    md = files[0].read_text()
+    assert md.index("## accelerator-x") < md.index(f"## {cpu_doc['env']['hardware']}")
+    assert len(files) == 1 + (2 if report.plot_available() else 0)

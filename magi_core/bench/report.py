@@ -176,6 +176,13 @@ def markdown(docs: Sequence[dict[str, Any]], plots: Sequence[Path | None], md_di
     return "\n".join(lines).rstrip() + "\n"
 
 
+def plot_available() -> bool:
+    """True when matplotlib can be imported (plots are written)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _resident_fraction(r: dict[str, Any]) -> float:
     """Resident share of the weight bytes: what the runtime reports, else the configured ratio."""
     if r.get("resident_bytes") is not None and r["weight_bytes"]:
