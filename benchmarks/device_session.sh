@@ -24,8 +24,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m magi_core backends --json > "$OUT/backends.json" 2>&1 || rc=1
   python3 -m pytest -p magi --pyargs magi_core.testing.conformance --magi-backend=cuda -q -rs \
     --junitxml="$OUT/conformance.xml" 2>&1 | tee "$OUT/conformance.log" || rc=1
-  python3 -m pytest -q -rs -m "accelerator" tests backends/cuda/tests -p no:cacheprovider \
+  python3 -m pytest -q -rs -m "accelerator" tests backends/cuda/tests -p no:cacheprovider --durations=20 \
     --junitxml="$OUT/accel.xml" 2>&1 | tee "$OUT/accel.log" || rc=1
+fi
+if [ "$what" = demo ] || [ "$what" = all ]; then
+  python3 -m magi_core demo --no-progress 2>&1 | tee "$OUT/demo.log" || rc=1
 fi
 if [ "$what" = multi ] || [ "$what" = all ]; then
   python3 benchmarks/host_bandwidth.py --out "$OUT/host_bandwidth_h200.json" 2>&1 | tee "$OUT/host_bandwidth.log" || rc=1
