@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.fake_backends import add_backend, select_and_list, write_dist
 from hypothesis import given
 from hypothesis import strategies as st
@@ -314,6 +315,13 @@ def test_same_name_from_two_packages_is_refused(tmp_path: Path) -> None:
     assert "magi-backend-twin" in out["error"] and "other-twin" in out["error"]
 
 
+needs_cpu_build = pytest.mark.skipif(
+    torch.accelerator.current_accelerator() is not None,
+    reason="emulating an accelerator via PrivateUse1 needs a torch build without a built-in accelerator",
+)
+
+
+@needs_cpu_build
 def test_accelerator_without_backend_says_which_package_to_install(tmp_path: Path) -> None:
     out, _ = select_and_list([tmp_path], accelerator="fakeacc")
     assert "torch reports a 'fakeacc' accelerator" in out["error"]
@@ -322,6 +330,7 @@ def test_accelerator_without_backend_says_which_package_to_install(tmp_path: Pat
     assert (out["selected"], out["selected_by"]) == ("cpu", "env")
 
 
+@needs_cpu_build
 def test_accelerator_with_unusable_backend_says_why(tmp_path: Path) -> None:
     add_backend(tmp_path, "fakeacc", device_type="fakeacc", priority=100, available=False,
                 reason="driver 5.1 too old, need 6.0")
@@ -329,6 +338,7 @@ def test_accelerator_with_unusable_backend_says_why(tmp_path: Path) -> None:
     assert "'fakeacc' (magi-backend-fakeacc): driver 5.1 too old, need 6.0" in out["error"]
 
 
+@needs_cpu_build
 def test_accelerator_with_its_backend_is_selected(tmp_path: Path) -> None:
     add_backend(tmp_path, "fakeacc", device_type="fakeacc", priority=100)
     out, _ = select_and_list([tmp_path], accelerator="fakeacc")
