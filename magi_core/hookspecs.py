@@ -77,7 +77,7 @@ def magi_range_pop() -> None:
 
 @hookspec(firstresult=True)
 def magi_to_method_aliases() -> Sequence[str]:
-    """Return the method names under which ``Tensor.to`` can appear in a traced graph (optional; default ``("to",)``)."""
+    """Return the method names under which ``Tensor.to`` appears in traced graphs (optional; default ``("to",)``)."""
 
 
 __all__ = ["HOOKSPEC_VERSION", "PROJECT", "REQUIRED_HOOKS", "ProbeResult", "hookspec"]

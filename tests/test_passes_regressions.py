@@ -184,6 +184,7 @@ print("ORIG_TO_OK", r.as_dict())
 """
 
 
+@pytest.mark.emulated
 def test_orig_to_under_emulated_torch_musa() -> None:
     """Under the emulated torch_musa wrapper Dynamo records ``orig_to``; the registry's aliases get it rewritten."""
     fakes = TESTS / "fakes"
