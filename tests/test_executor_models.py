@@ -70,3 +70,33 @@ class TupleKw(nn.Module):
             if i == 0:
                 mid = h
         return h * scale, mid.sum(-1)
+
+
+class PassThrough(nn.Module):
+    """Keyword inputs nested in a dict, a tuple output that passes two inputs through unchanged."""
+
+    def __init__(self, d: int = 16, n: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(d) for _ in range(n))
+
+    def forward(
+        self, x: torch.Tensor, *, extra: dict[str, torch.Tensor], scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = x + extra["bias"]
+        for layer in self.layers:
+            h = layer(h)
+        return h * scale, x, extra["skip"]
+
+
+class Breaks(nn.Module):
+    """A forward with a graph break between two layers."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a = Layer(d)
+        self.b = Layer(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)

@@ -1,4 +1,8 @@
-"""Input preparation: non-weight graph inputs to the device, lifted 0-dim host scalars left on the host."""
+"""Input preparation: non-weight graph inputs to the device, lifted 0-dim host scalars left on the host.
+
+Inside an :func:`~magi_core.runtime.api.offload` call, graph inputs that are host proxies of device tensors
+(:mod:`.device_inputs`) are replaced by those device tensors: one dict look-up per non-weight input, no copy.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from magi_core.runtime.device_inputs import current_substitutions
 
 
 def is_host_scalar(t: Any) -> bool:
@@ -20,14 +26,24 @@ class InputPreparer:
         self.device = device
         skip = set(weight_inputs)
         self.indices = tuple(i for i in range(n_inputs) if i not in skip)
+        #: Bytes of host inputs copied to the device (device inputs and proxies never count).
         self.bytes_moved = 0
+        #: Inputs taken from the substitution map (device tensors behind host proxies).
+        self.substituted = 0
 
     def fill(self, args: Sequence[Any], env: list[Any]) -> None:
-        """Write every non-weight input into ``env``, moved to the device when needed."""
+        """Write every non-weight input into ``env``: proxied device tensors swapped in, host tensors moved."""
         device = self.device
         dtype = device.type
+        subs = current_substitutions()
         for i in self.indices:
             a = args[i]
+            if subs:
+                d = subs.get(id(a))
+                if d is not None:
+                    env[i] = d
+                    self.substituted += 1
+                    continue
             if isinstance(a, torch.Tensor) and a.device.type != dtype and not (a.dim() == 0 and a.device.type == "cpu"):
                 self.bytes_moved += a.nbytes
                 a = a.to(device, non_blocking=True)
