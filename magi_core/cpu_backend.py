@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 
 from magi_core import cpu_device
-from magi_core.errors import HostRegisterError
 from magi_core.hookspecs import ProbeResult
+from magi_core.host_ranges import SUCCESS, HostRangeTable
 from magi_core.plugin import hookimpl
 
-#: Error numbers shared with the CUDA and MUSA runtimes.
-ALREADY_REGISTERED = 712
-NOT_REGISTERED = 713
-
-_lock = threading.Lock()
-_ranges: dict[int, int] = {}
+#: Host memory needs no pinning for host compute: the table checks ranges and keeps the bookkeeping.
+_TABLE = HostRangeTable("cpu", register=lambda ptr, nbytes: SUCCESS, unregister=lambda ptr: SUCCESS)
 
 
 @hookimpl
@@ -41,23 +36,14 @@ def magi_device_module() -> ModuleType:
 
 @hookimpl
 def magi_host_register(ptr: int, nbytes: int) -> None:
-    """Check the range and remember it (host memory needs no pinning for host compute)."""
-    if ptr <= 0 or nbytes <= 0:
-        raise HostRegisterError(f"host register: invalid range ptr={ptr:#x} nbytes={nbytes}", code=1)
-    with _lock:
-        if ptr in _ranges:
-            return  # "already registered" counts as success, as on CUDA and MUSA (712)
-        _ranges[ptr] = nbytes
+    """Check the range and remember it; "already registered" counts as success, as on CUDA and MUSA (712)."""
+    _TABLE.register(ptr, nbytes)
 
 
 @hookimpl
 def magi_host_unregister(ptr: int) -> None:
     """Forget a registered range; an unknown one raises (713, "not registered")."""
-    with _lock:
-        if _ranges.pop(ptr, None) is None:
-            raise HostRegisterError(
-                f"host unregister: range at {ptr:#x} was not registered (error {NOT_REGISTERED})", code=NOT_REGISTERED
-            )
+    _TABLE.unregister(ptr)
 
 
 @hookimpl
@@ -66,7 +52,5 @@ def magi_to_method_aliases() -> Sequence[str]:
     return ("to",)
 
 
-def registered_ranges() -> dict[int, int]:
-    """A copy of the ranges registered now (ptr -> nbytes), for leak checks."""
-    with _lock:
-        return dict(_ranges)
+#: A copy of the ranges registered now (ptr -> nbytes), for leak checks.
+registered_ranges = _TABLE.ranges

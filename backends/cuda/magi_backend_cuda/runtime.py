@@ -13,26 +13,17 @@ import ctypes
 import functools
 import logging
 import os
-import threading
 from typing import Any
 
 import torch
 
-from magi_core.errors import HostRegisterError
+from magi_core.host_ranges import HostRangeTable
 
 logger = logging.getLogger(__name__)
 
-SUCCESS = 0
-#: cudaErrorHostMemoryAlreadyRegistered: counts as success.
-ALREADY_REGISTERED = 712
-#: cudaErrorHostMemoryNotRegistered: unregister of a range nobody registered.
-NOT_REGISTERED = 713
 #: cudaHostRegisterDefault.
 FLAGS_DEFAULT = 0
 
-_lock = threading.Lock()
-#: Ranges this backend registered (ptr -> nbytes); lets a repeated register skip the runtime call.
-_ranges: dict[int, int] = {}
 
 
 def _cudart() -> Any:
@@ -90,55 +81,16 @@ def drain_last_error() -> bool:
     return True
 
 
-def host_register(ptr: int, nbytes: int) -> None:
-    """Pin [ptr, ptr+nbytes) in place with ``cudaHostRegister``; 712 (already registered) is success."""
-    if ptr <= 0 or nbytes <= 0:
-        raise HostRegisterError(
-            f"cudaHostRegister: invalid range ptr={ptr:#x} nbytes={nbytes}; pass a tensor's data_ptr() and nbytes",
-            code=None,
-        )
-    with _lock:
-        if ptr in _ranges:
-            return
-        rt = _cudart()
-        err = rt.cudaHostRegister(ptr, nbytes, FLAGS_DEFAULT)
-        code = int(err)
-        if code == SUCCESS:
-            _ranges[ptr] = nbytes
-            return
-        text = error_text(rt, err)
-        drain_last_error()
-        if code == ALREADY_REGISTERED:
-            logger.debug("cudaHostRegister(%#x, %d): already registered (712), treated as success", ptr, nbytes)
-            _ranges[ptr] = nbytes
-            return
-    raise HostRegisterError(
-        f"cudaHostRegister(ptr={ptr:#x}, nbytes={nbytes}) failed with CUDA error {code}: {text}; check that the "
-        "range is ordinary host memory and that `ulimit -l` (memlock) allows pinning it",
-        code=code,
-    )
-
-
-def host_unregister(ptr: int) -> None:
-    """Undo :func:`host_register` with ``cudaHostUnregister``; an unknown range raises (713)."""
-    with _lock:
-        if _ranges.pop(ptr, None) is None:
-            raise HostRegisterError(
-                f"cudaHostUnregister(ptr={ptr:#x}): this range was not registered through magi's cuda backend "
-                f"(CUDA error {NOT_REGISTERED}, cudaErrorHostMemoryNotRegistered); unregister only what you registered",
-                code=NOT_REGISTERED,
-            )
-        rt = _cudart()
-        err = rt.cudaHostUnregister(ptr)
-        code = int(err)
-        if code == SUCCESS:
-            return
-        text = error_text(rt, err)
-        drain_last_error()
-    raise HostRegisterError(f"cudaHostUnregister(ptr={ptr:#x}) failed with CUDA error {code}: {text}", code=code)
-
-
-def registered_ranges() -> dict[int, int]:
-    """A copy of the ranges this backend has registered now (ptr -> nbytes), for leak checks."""
-    with _lock:
-        return dict(_ranges)
+_TABLE = HostRangeTable(
+    "CUDA",
+    register=lambda ptr, nbytes: _cudart().cudaHostRegister(ptr, nbytes, FLAGS_DEFAULT),
+    unregister=lambda ptr: _cudart().cudaHostUnregister(ptr),
+    error_text=lambda err: error_text(_cudart(), err),
+    clear_error=drain_last_error,
+)
+#: ``cudaHostRegister`` in place; 712 (already registered) is success.
+host_register = _TABLE.register
+#: ``cudaHostUnregister``; a range this backend did not register raises (713).
+host_unregister = _TABLE.unregister
+#: The ranges this backend has registered now (ptr -> nbytes), for leak checks.
+registered_ranges = _TABLE.ranges

@@ -12,6 +12,7 @@ import pytest
 import torch
 from magi_backend_cuda import ranges, runtime
 
+from magi_core import host_ranges
 from magi_core.errors import HostRegisterError
 from magi_core.registry import REGISTRY
 
@@ -99,7 +100,7 @@ def test_invalid_and_unknown_ranges_raise_without_touching_the_runtime() -> None
     t = torch.ones(4)
     with pytest.raises(HostRegisterError) as info:
         magi_backend_cuda.magi_host_unregister(ptr=t.data_ptr())
-    assert info.value.code == runtime.NOT_REGISTERED
+    assert info.value.code == host_ranges.NOT_REGISTERED
     assert runtime.registered_ranges() == {}
 
 

@@ -13,7 +13,6 @@ import ctypes
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,22 +20,15 @@ from typing import Any
 
 import torch
 
-from magi_core.errors import BackendError, HostRegisterError
+from magi_core.errors import BackendError
+from magi_core.host_ranges import HostRangeTable
 
 logger = logging.getLogger(__name__)
 
-SUCCESS = 0
-#: musaErrorHostMemoryAlreadyRegistered (same number as CUDA): counts as success.
-ALREADY_REGISTERED = 712
-#: musaErrorHostMemoryNotRegistered (same number as CUDA).
-NOT_REGISTERED = 713
 #: musaHostRegisterDefault.
 FLAGS_DEFAULT = 0
 DEFAULT_MUSA_HOME = "/usr/local/musa"
 
-_lock = threading.Lock()
-#: Ranges this backend registered (ptr -> nbytes); lets a repeated register skip the runtime call.
-_ranges: dict[int, int] = {}
 
 
 @dataclass(frozen=True)
@@ -119,68 +111,27 @@ def musa_runtime() -> MusaRuntime:
 
 def error_text(rt: MusaRuntime, err: Any) -> str:
     """The runtime's own text for ``err``."""
-    if rt.error_string is not None:
-        try:
-            return str(rt.error_string(err))
-        except Exception:
-            pass
-    return f"MUSA error {int(err)}"
+    if rt.error_string is None:
+        return f"MUSA error {int(err)}"
+    return str(rt.error_string(err))
 
 
-def _drain(rt: MusaRuntime) -> None:
+def _drain() -> None:
+    rt = musa_runtime()
     if rt.get_last_error is not None:
         rt.get_last_error()
 
 
-def host_register(ptr: int, nbytes: int) -> None:
-    """Pin [ptr, ptr+nbytes) in place with ``musaHostRegister``; 712 (already registered) is success."""
-    if ptr <= 0 or nbytes <= 0:
-        raise HostRegisterError(
-            f"musaHostRegister: invalid range ptr={ptr:#x} nbytes={nbytes}; pass a tensor's data_ptr() and nbytes",
-            code=None,
-        )
-    with _lock:
-        if ptr in _ranges:
-            return
-        rt = musa_runtime()
-        err = rt.host_register(ptr, nbytes, FLAGS_DEFAULT)
-        code = int(err)
-        if code == SUCCESS:
-            _ranges[ptr] = nbytes
-            return
-        text = error_text(rt, err)
-        _drain(rt)
-        if code == ALREADY_REGISTERED:
-            logger.debug("musaHostRegister(%#x, %d): already registered (712), treated as success", ptr, nbytes)
-            _ranges[ptr] = nbytes
-            return
-    raise HostRegisterError(
-        f"musaHostRegister(ptr={ptr:#x}, nbytes={nbytes}) failed with MUSA error {code}: {text}; check that the "
-        "range is ordinary host memory and that `ulimit -l` (memlock) allows pinning it",
-        code=code,
-    )
-
-
-def host_unregister(ptr: int) -> None:
-    """Undo :func:`host_register` with ``musaHostUnregister``; an unknown range raises (713)."""
-    with _lock:
-        if _ranges.pop(ptr, None) is None:
-            raise HostRegisterError(
-                f"musaHostUnregister(ptr={ptr:#x}): this range was not registered through magi's musa backend "
-                f"(MUSA error {NOT_REGISTERED}, not registered); unregister only what you registered",
-                code=NOT_REGISTERED,
-            )
-        rt = musa_runtime()
-        err = rt.host_unregister(ptr)
-        code = int(err)
-        if code == SUCCESS:
-            return
-        text = error_text(rt, err)
-        _drain(rt)
-    raise HostRegisterError(f"musaHostUnregister(ptr={ptr:#x}) failed with MUSA error {code}: {text}", code=code)
-
-
-def registered_ranges() -> dict[int, int]:
-    """A copy of the ranges this backend has registered now (ptr -> nbytes), for leak checks."""
-    with _lock:
-        return dict(_ranges)
+_TABLE = HostRangeTable(
+    "MUSA",
+    register=lambda ptr, nbytes: musa_runtime().host_register(ptr, nbytes, FLAGS_DEFAULT),
+    unregister=lambda ptr: musa_runtime().host_unregister(ptr),
+    error_text=lambda err: error_text(musa_runtime(), err),
+    clear_error=_drain,
+)
+#: ``musaHostRegister`` in place; 712 (already registered) is success.
+host_register = _TABLE.register
+#: ``musaHostUnregister``; a range this backend did not register raises (713).
+host_unregister = _TABLE.unregister
+#: The ranges this backend has registered now (ptr -> nbytes), for leak checks.
+registered_ranges = _TABLE.ranges
