@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from host_workers.common import results, shm_dir_fixture, torchrun  # noqa: F401  (fixture)
+from host_workers.common import assert_ok, results, shm_dir_fixture, torchrun  # noqa: F401  (fixture)
 from torch import nn
 
 from magi_core.host import HostOptions, materialize, shm
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.multiprocess,
 
 def _run(nproc: int, args: list[str], shm_dir: str, tmp_path: Path, **env: str) -> list[dict]:
     proc = torchrun(nproc, args, shm_dir, tmp_path, **env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_ok(proc, tmp_path)
     return results(tmp_path, nproc)
 
 
@@ -55,8 +55,10 @@ def test_ep1_one_shared_file_one_copy_in_memory(shm_dir: str, tmp_path: Path) ->
     assert recs[0]["mode"] == recs[1]["mode"] == "shared"
     assert recs[0]["inodes"] == recs[1]["inodes"]
     weights = recs[0]["weight_bytes"]
-    shmem = sum(r["pss_shmem"] for r in recs)  # proportional share: a page mapped by both counts once in total
-    assert 0.9 * weights <= shmem <= 1.2 * weights, (shmem, weights)
+    for r in recs:  # each rank has all of the one file resident, mapped once per arena
+        assert r["arena_mappings"] == r["arenas"] >= 1 and r["arena_rss"] >= weights, r
+    pss = sum(r["arena_pss"] for r in recs)  # proportional share: a page mapped by both counts once in total
+    assert 0.9 * weights <= pss <= 1.2 * weights, (pss, weights)
     for r in recs:
         assert r["dense_after"] == r["dense_before"] and r["experts_after"] == r["experts_before"]
         assert r["file_modes"] == [0o600] and r["files_unlinked"] and r["dir_after"] == []
@@ -66,8 +68,9 @@ def test_ep1_one_shared_file_one_copy_in_memory(shm_dir: str, tmp_path: Path) ->
 def test_ep1_per_rank_files_cost_n_copies(shm_dir: str, tmp_path: Path) -> None:
     """The same measurement tells the shared layout from per-rank files (so the test above can fail)."""
     recs = _run(2, ["--scenario", "shared", "--dense-mb", "16"], shm_dir, tmp_path, MAGI_EP_SIZE="2")
-    shmem = sum(r["pss_shmem"] for r in recs)
-    assert shmem >= 1.8 * recs[0]["weight_bytes"]
+    assert recs[0]["inodes"] != recs[1]["inodes"]
+    pss = sum(r["arena_pss"] for r in recs)
+    assert 1.8 * recs[0]["weight_bytes"] <= pss <= 2.4 * recs[0]["weight_bytes"], pss
 
 
 def test_ep1_mismatched_weights_detected(shm_dir: str, tmp_path: Path) -> None:

@@ -110,6 +110,15 @@ class HostWeights:
         """The registered (ptr, nbytes) ranges."""
         return list(self._ranges)
 
+    @property
+    def mapped_ranges(self) -> list[tuple[int, int]]:
+        """The (ptr, nbytes) of every arena backed by a shared-memory mapping."""
+        return [(a.buf.data_ptr(), a.nbytes) for a in self.arenas if a.mapping is not None]
+
+    def mapping_memory(self) -> dict[str, int]:
+        """This process's ``Size``, ``Rss`` and ``Pss`` bytes of the arena mappings (see memstat.mapping_memory)."""
+        return memstat.mapping_memory(self.mapped_ranges, [a.path for a in self.arenas if a.path])
+
     def owns(self, t: torch.Tensor) -> bool:
         """True when ``t`` is one of the offloaded tensors."""
         return _owned.get(id(t)) is self

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterable
 
 _ROLLUP_KEYS = ("Anonymous", "Pss_Shmem", "Rss")
 _MEMINFO_KEYS = ("MemTotal", "MemAvailable", "Shmem")
@@ -29,6 +31,41 @@ def process_memory(pid: int | None = None) -> dict[str, int]:
 def anonymous_bytes() -> int:
     """Anonymous memory of this process (counts private heap pages; not file-backed shared memory)."""
     return process_memory().get("Anonymous", 0)
+
+
+_VMA = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
+_MAPPING_KEYS = ("Size", "Rss", "Pss")
+_DELETED = " (deleted)"
+
+
+def mapping_memory(ranges: Iterable[tuple[int, int]], paths: Iterable[str] = (),
+                   pid: int | None = None) -> dict[str, int]:
+    """``Size``, ``Rss`` and ``Pss`` bytes of the mappings overlapping any (ptr, nbytes) in ``ranges`` or
+    backed by a file in ``paths`` (unlinked files too), plus their count as ``mappings``.
+
+    Unlike ``Pss_Shmem`` of the whole process this counts only those mappings, so a driver's own shared
+    mappings (pinned staging buffers, IPC) do not inflate it. A page mapped by N processes adds 1/N.
+    """
+    spans = [(p, p + n) for p, n in ranges if n > 0]
+    wanted = {os.path.realpath(p) for p in paths}
+    out = dict.fromkeys((*_MAPPING_KEYS, "mappings"), 0)
+    hit = False
+    try:
+        with open(f"/proc/{pid or 'self'}/smaps") as f:
+            for line in f:
+                m = _VMA.match(line)
+                if m is not None:
+                    lo, hi, path = int(m.group(1), 16), int(m.group(2), 16), m.group(3).removesuffix(_DELETED)
+                    hit = any(lo < b and a < hi for a, b in spans) or (bool(path) and path in wanted)
+                    out["mappings"] += hit
+                    continue
+                if hit:
+                    name, _, rest = line.partition(":")
+                    if name in _MAPPING_KEYS:
+                        out[name] += int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def system_memory() -> dict[str, int]:

@@ -50,12 +50,40 @@ def child_env(shm_dir: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(nproc: int, args: list[str], shm_dir: str, out: Path, timeout: float = 180,
+def torchrun(nproc: int, args: list[str], shm_dir: str, out: Path, timeout: float = 240,
              **env: str) -> subprocess.CompletedProcess[str]:
-    """Run tests/host_workers/materialize_worker.py under torchrun (gloo)."""
+    """Run tests/host_workers/materialize_worker.py under torchrun (gloo); each rank's output goes to its own
+    files under ``<out>/torchrun-logs`` (see :func:`failure_report`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--log-dir", str(out / LOG_DIR), "--redirects", "3",
            str(WORKERS / "materialize_worker.py"), "--out", str(out), *args]
-    return subprocess.run(cmd, env=child_env(shm_dir, **env), capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(cmd, env=child_env(shm_dir, **env), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"torchrun did not finish within {timeout}s\n" + failure_report(exc, out)) from None
+
+
+LOG_DIR = "torchrun-logs"
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def failure_report(proc: subprocess.CompletedProcess[str] | subprocess.TimeoutExpired, out: Path) -> str:
+    """torchrun's own output and every rank's complete stdout/stderr, for an assertion message."""
+    parts = [f"--- torchrun exit code {getattr(proc, 'returncode', None)}; its stderr:\n{_text(proc.stderr)}"
+             f"\n--- its stdout:\n{_text(proc.stdout)}"]
+    for log in sorted((out / LOG_DIR).rglob("*.log")):
+        text = log.read_text(errors="replace")
+        if text.strip():
+            parts.append(f"--- {log.relative_to(out)} (rank {log.parent.name}):\n{text}")
+    return "\n".join(parts)
+
+
+def assert_ok(proc: subprocess.CompletedProcess[str], out: Path) -> None:
+    """Fail with the full output of every rank when torchrun did not exit 0."""
+    assert proc.returncode == 0, failure_report(proc, out)
 
 
 def results(out: Path, nproc: int) -> list[dict]:

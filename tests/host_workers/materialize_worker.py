@@ -20,6 +20,7 @@ import stat
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from magi_core import get_backend
 from magi_core.cpu_backend import registered_ranges
@@ -53,6 +54,7 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+@record
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenario", required=True)
@@ -119,7 +121,10 @@ def main() -> None:
         for p in model.parameters():
             p.float().sum()
     dist.barrier()
-    rec["pss_shmem"] = process_memory().get("Pss_Shmem", 0)
+    rec["pss_shmem"] = process_memory().get("Pss_Shmem", 0)  # whole process (drivers' mappings too): for logs only
+    arena = hw.mapping_memory()  # only the arena mappings: what the sharing tests compare
+    rec["arena_pss"], rec["arena_rss"], rec["arena_mappings"] = arena["Pss"], arena["Rss"], arena["mappings"]
+    rec["arenas"] = len(hw.mapped_ranges)
     dist.barrier()
     hw.release()
     rec["registered_after_release"] = len(registered_ranges())
