@@ -194,3 +194,17 @@ def test_options_config_object_and_bad_option(transformer):
     with pytest.raises(Exception) as info:
         g(x)
     assert isinstance(info.value, ConfigError) or "polcy" in str(info.value)
+
+
+def test_inductor_units_with_lifted_eps():
+    # Inductor units whose graph reads a lifted float with .item(): compiled under a shape environment
+    spec = TransformerSpec(layers=1, hidden=32, heads=2)
+    model = build_transformer(spec)
+    x = example_input(spec, tokens=4)
+    with torch.no_grad():
+        refs = {eps: model(x, eps) for eps in (1e-5, 1e-1)}
+    f = compiled(model, policy="BASE", unit_compiler="inductor")
+    for eps in (1e-5, 1e-1, 1e-5, 1e-1, 1e-1):
+        close(f(x, eps), refs[eps])
+    ex = live_runtimes()[-1].executor
+    assert not any(type(fn).__name__ == "LazyUnit" for fn in ex.fns), "every unit ran compiled"

@@ -9,7 +9,9 @@ import torch
 
 from magi_core.models import TransformerSpec, build_transformer, example_input
 from magi_core.registry import get_backend
+from magi_core.runtime.api import offload, release
 from magi_core.runtime.compile_backend import live_runtimes
+from magi_core.runtime.config import OffloadConfig
 
 pytestmark = pytest.mark.accelerator
 
@@ -56,12 +58,14 @@ def test_relative_error_vs_resident(backend, dtype, tol, policy, ratio):
 
 
 def test_inductor_units_match(backend):
+    # like with like: Inductor-compiled units against the resident model compiled with Inductor
     spec = TransformerSpec(layers=3, hidden=256, heads=4, dtype=torch.bfloat16)
     model = build_transformer(spec)
     x = example_input(spec, tokens=128)
     dev = backend.device()
     with torch.no_grad():
-        ref = build_transformer(spec).to(dev)(x.to(dev))
+        ref = torch.compile(build_transformer(spec).to(dev))(x.to(dev))
+        torch._dynamo.reset()
         f = torch.compile(model, backend="magi_offload", options={"policy": "HEURISTIC", "unit_compiler": "inductor"})
         for _ in range(4):
             out = f(x)
@@ -74,24 +78,69 @@ def test_peak_memory_at_ratio_zero_within_two_units_plus_activations(backend):
     model = build_transformer(spec)
     dev = backend.device()
     xd = example_input(spec, tokens=512).to(dev)  # device input: never copied to the host and back
-    f = torch.compile(model, backend="magi_offload",
-                      options={"policy": "BASE", "gpu_resident_weight_ratio": 0.0, "unit_compiler": "eager"})
     with torch.no_grad():
-        for _ in range(3):
-            f(xd)
+        ref = build_transformer(spec).to(dev)(xd)
+    offload(model, OffloadConfig(policy="BASE", gpu_resident_weight_ratio=0.0, unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                model(xd)
+            ex = live_runtimes()[-1].executor
+            dm.synchronize()
+            dm.reset_peak_memory_stats()
+            base = dm.memory_allocated()
+            out = model(xd)
+            dm.synchronize()
+            peak = dm.max_memory_allocated() - base
+        assert out.device == xd.device
+        assert ex.inputs.bytes_moved == 0, "device inputs must not be moved"
+        assert ex.inputs.substituted >= 4, "the device input reaches the executor behind a host proxy"
+        assert _rel(out, ref) <= 1e-2
+        two_units = sum(sorted((u.nbytes for u in ex.units), reverse=True)[:2])
+        act = 16 * xd.numel() * xd.element_size() + 4 * spec.ffn * 512 * 2  # generous activation allowance
+        assert peak <= two_units + ex.actions.resident_bytes + act, (peak, two_units, act)
+    finally:
+        release(model)
+
+
+class _KwTuple(torch.nn.Module):
+    """Device input, a device tensor nested in keyword arguments, a lifted float, a tuple output."""
+
+    def __init__(self, spec: TransformerSpec) -> None:
+        super().__init__()
+        self.body = build_transformer(spec)
+
+    def forward(self, x: torch.Tensor, *, extra: dict[str, torch.Tensor], eps: float = 1e-6):
+        h = self.body(x + extra["shift"], eps)
+        return h, h.float().mean(-1), extra["shift"]
+
+
+@pytest.mark.parametrize("unit_compiler", ["eager", "inductor"])
+def test_offload_device_inputs_kwargs_and_tuple_output(backend, unit_compiler):
+    spec = TransformerSpec(layers=3, hidden=256, heads=4, dtype=torch.bfloat16)
+    dev = backend.device()
+    model = _KwTuple(spec).eval()
+    ref_model = _KwTuple(spec).eval().to(dev)
+    xd = example_input(spec, tokens=64).to(dev)
+    shift = torch.randn(spec.hidden, generator=torch.Generator().manual_seed(5)).to(spec.dtype).to(dev)
+    with torch.no_grad():
+        run_ref = torch.compile(ref_model) if unit_compiler == "inductor" else ref_model
+        refs = {eps: run_ref(xd, extra={"shift": shift}, eps=eps) for eps in (1e-6, 1e-3)}
+    torch._dynamo.reset()
+    offload(model, OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5, unit_compiler=unit_compiler))
+    try:
+        with torch.no_grad():
+            for eps in (1e-6, 1e-3, 1e-6, 1e-3, 1e-6):
+                h, m, s = model(xd, extra={"shift": shift}, eps=eps)
+                assert h.device == xd.device and m.device == xd.device
+                assert s is shift, "a pass-through device input comes back as itself"
+                assert _rel(h, refs[eps][0]) <= 1e-2
+                assert _rel(m, refs[eps][1]) <= 1e-2
         ex = live_runtimes()[-1].executor
-        dm.synchronize()
-        # activations of one step: measure them on the resident model, minus its weights
-        dm.reset_peak_memory_stats()
-        base = dm.memory_allocated()
-        out = f(xd)
-        dm.synchronize()
-        peak = dm.max_memory_allocated() - base
-    assert out.device == xd.device
-    assert ex.inputs.bytes_moved == 0, "device inputs must not be moved"
-    two_units = sum(sorted((u.nbytes for u in ex.units), reverse=True)[:2])
-    act = 16 * xd.numel() * xd.element_size() + 4 * spec.ffn * 512 * 2  # generous activation allowance
-    assert peak <= two_units + ex.actions.resident_bytes + act, (peak, two_units, act)
+        assert ex.inputs.bytes_moved == 0
+        assert live_runtimes()[-1].phase == "planned"
+    finally:
+        release(model)
 
 
 def test_host_inputs_are_moved_and_outputs_on_device(backend):

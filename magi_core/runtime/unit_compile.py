@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx
 
 from magi_core.backend import Backend
@@ -34,13 +35,36 @@ class LazyUnit:
         self._on_compiled = on_compiled
 
     def __call__(self, *args: Any) -> Any:
-        """Compile with ``compile_fx`` (device example inputs: these args), install the result, run it."""
-        from torch._inductor.compile_fx import compile_fx
-
+        """Compile with Inductor (example inputs: these device args), install the result, run it."""
         logger.debug("magi offload: compiling unit %s with inductor", self.name)
-        compiled = compile_fx(self.module, list(args))
+        compiled = compile_unit(self.module, args)
         self._on_compiled(compiled)  # called like Dynamo calls a backend's result: positionally
         return compiled(*args)
+
+
+def compile_unit(module: torch.fx.GraphModule, args: Sequence[Any]) -> Callable[..., Any]:
+    """``module`` compiled by Inductor for ``args``; lifted 0-dim host scalars stay runtime values.
+
+    Dynamo lifts Python floats to 0-dim host tensors read back with ``.item()`` (origin.md section 2). Inductor
+    fake-copies real example inputs without a shape environment, where ``.item()`` raises
+    ``DataDependentOutputException``; here such units are compiled from fakes under a shape environment, so
+    ``.item()`` is a symbolic float and the compiled unit reads the value on every call.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    compiled: Callable[..., Any]
+    if not any(isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu" for a in args):
+        compiled = compile_fx(module, list(args))  # type: ignore[assignment]
+        return compiled
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+    with tracing(TracingContext(fake_mode)):
+        compiled = compile_fx(module, fakes)  # type: ignore[assignment]
+    return compiled
 
 
 def unit_callable(
