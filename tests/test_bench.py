@@ -14,9 +14,12 @@ import torch
 
 from magi_core import cpu_backend
 from magi_core.bench import BenchOptions, add_arguments, analysis, main, report
-from magi_core.bench.systems import magi_available
-from magi_core.bench.workloads import MLPShape, mlp_workload
+from magi_core.bench.options import ACCELERATOR_TIME_BUDGET_S
+from magi_core.bench.runner import skip_reason, system_specs
+from magi_core.bench.systems import DIFFUSERS_ANCHOR, SystemSpec, has_top_level_group, magi_available
+from magi_core.bench.workloads import MLPShape, mlp_workload, transformer_workload
 from magi_core.errors import ConfigError
+from magi_core.models import TransformerSpec
 from magi_core.registry import get_backend
 
 RUN_FIELDS = ("workload", "tokens", "system", "label", "policy", "ratio", "budget_fraction", "status")
@@ -40,7 +43,8 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], P
     if get_backend().is_accelerator:
         pytest.skip("the small CPU run is for the cpu backend")
     out = tmp_path_factory.mktemp("bench")
-    rc = main(_parse(["--quick", "--ratios", "0,0.5", "--out", str(out / "r.json"), "--report", str(out / "BENCH.md")]))
+    rc = main(_parse(["--quick", "--grid", "full", "--ratios", "0,0.5", "--out", str(out / "r.json"), "--report",
+                      str(out / "BENCH.md")]))
     assert rc == 0
     return json.loads((out / "r.json").read_text()), out
 
@@ -88,6 +92,17 @@ def test_cpu_run_magi_configs_match_resident(cpu_run: tuple[dict[str, Any], Path
         assert r["pinned_bytes"] >= r["weight_bytes"]
     full = [r for r in magi if r["ratio"] == 0.0]
     assert all(r["resident_bytes"] == 0 for r in full)
+
+
+def test_cpu_run_diffusers_peer_matches_resident(cpu_run: tuple[dict[str, Any], Path]) -> None:
+    """On the host the peer runs without a stream: same hooks, same block groups, exact same output."""
+    doc, _ = cpu_run
+    pytest.importorskip("diffusers")
+    runs = [r for r in doc["runs"] if r["system"] == "diffusers"]
+    assert runs and all(r["status"] == "ok" for r in runs), [r.get("reason") for r in runs]
+    for r in runs:
+        assert r["diffusers_use_stream"] is False and r["diffusers_prefetch_anchor"] is False
+        assert r["max_rel_err"] <= 1e-6, r["workload"]
 
 
 def test_cpu_run_leaves_no_registered_ranges(cpu_run: tuple[dict[str, Any], Path]) -> None:
@@ -186,6 +201,83 @@ def test_fresh_copies_share_host_weights_and_start_clean() -> None:
 def test_bad_options_raise_config_error(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         BenchOptions(**kwargs)
+
+
+def test_diffusers_stream_prefetch_needs_a_top_level_group() -> None:
+    """diffusers 0.42 chains stream prefetches only from a top-level group; the MLP stack gets an anchor buffer."""
+    pytest.importorskip("diffusers")
+    from diffusers.hooks.group_offloading import GroupOffloadingConfig, _apply_group_offloading
+
+    mlp = mlp_workload(MLPShape(hidden=16, layers=3), torch.float32)
+    tf = transformer_workload(TransformerSpec(layers=2, hidden=16, heads=2))
+    assert not has_top_level_group(mlp.fresh()) and has_top_level_group(tf.fresh())
+    cpu = torch.device("cpu")
+    for anchored in (False, True):
+        model = mlp.fresh()
+        if anchored:
+            model.register_buffer(DIFFUSERS_ANCHOR, torch.zeros(1), persistent=False)
+        # a stand-in stream object: only the hook layout is inspected, nothing is copied on it
+        cfg = GroupOffloadingConfig(onload_device=cpu, offload_device=cpu, offload_type="block_level",
+                                    non_blocking=False, record_stream=True, low_cpu_mem_usage=True,
+                                    num_blocks_per_group=1, stream=object())
+        _apply_group_offloading(model, cfg)
+        registry = getattr(model, "_diffusers_hook", None)
+        prefetch = registry is not None and registry.get_hook("lazy_prefetch_group_offloading") is not None
+        assert prefetch is anchored
+
+
+def test_core_and_full_grids_order_and_size() -> None:
+    core = system_specs(BenchOptions())
+    labels = [s.label for s in core]
+    assert labels[:3] == ["resident_eager", "resident_compiled", "diffusers"] and labels[-1] == "accelerate"
+    assert labels[3:-1] == ["magi HEURISTIC budget=0.5W", "magi HEURISTIC r=0", "magi HEURISTIC r=0.25",
+                            "magi HEURISTIC r=0.5", "magi HEURISTIC r=1", "magi COST_EFFECTIVE budget=0.5W",
+                            "magi BASE budget=0.5W"]
+    full = system_specs(BenchOptions(grid="full"))
+    assert {s.label for s in core} < {s.label for s in full} and len(full) == 3 + 3 * 4 + 1 + 1
+
+
+def test_accelerator_defaults_fit_one_command() -> None:
+    opts = BenchOptions()
+    sizes = opts.sizes(is_accelerator=True)
+    spec = TransformerSpec(layers=sizes.tf_layers, hidden=sizes.tf_hidden, heads=sizes.tf_heads,
+                           ffn_mult=sizes.tf_ffn_mult)
+    assert (spec.layers, spec.hidden, spec.ffn) == (32, 4096, 14336)  # the issue's transformer
+    assert opts.time_budget(True) == ACCELERATOR_TIME_BUDGET_S and opts.time_budget(False) is None
+    assert BenchOptions(time_budget_s=0).time_budget(True) is None
+    acc = SystemSpec("accelerate")
+    assert skip_reason(acc, 2048, (2048, 16384), opts, None) is None
+    assert "smallest token count" in str(skip_reason(acc, 16384, (2048, 16384), opts, None))
+    assert skip_reason(acc, 16384, (2048, 16384), BenchOptions(accelerate_all_tokens=True), None) is None
+    assert "time budget" in str(skip_reason(SystemSpec("resident_eager"), 2048, (2048,), opts, 0.0))
+
+
+def test_spent_time_budget_skips_and_still_writes_json(tmp_path: Path) -> None:
+    if get_backend().is_accelerator:
+        pytest.skip("the small CPU run is for the cpu backend")
+    rc = main(_parse(["--quick", "--models", "mlp", "--time-budget", "1e-9", "--out", str(tmp_path / "r.json")]))
+    assert rc == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["time_budget_s"] == 1e-9 and doc["runs"]
+    assert all(r["status"] == "skipped" and "time budget" in r["reason"] for r in doc["runs"])
+
+
+@pytest.mark.accelerator
+def test_accelerator_diffusers_peer_matches_resident(tmp_path: Path) -> None:
+    """The stream variant of diffusers group offloading (prefetch chain, record_stream) gives resident's output."""
+    if not get_backend().is_accelerator:
+        pytest.skip("needs an accelerator backend")
+    pytest.importorskip("diffusers")
+    rc = main(_parse(["--quick", "--systems", "resident_eager,diffusers", "--mlp-hidden", "1024", "--mlp-layers", "8",
+                      "--tf-hidden", "1024", "--tf-layers", "6", "--tf-heads", "8", "--tokens", "256,2048",
+                      "--probe-mb", "64", "--out", str(tmp_path / "r.json")]))
+    assert rc == 0
+    runs = [r for r in json.loads((tmp_path / "r.json").read_text())["runs"] if r["system"] == "diffusers"]
+    assert len(runs) == 4
+    for r in runs:
+        assert r["status"] == "ok", r.get("reason")
+        assert r["diffusers_use_stream"] is True and r["diffusers_prefetch_anchor"] is (r["workload"] == "mlp")
+        assert r["max_rel_err"] <= 2e-2, (r["workload"], r["tokens"])
 
 
 @pytest.mark.accelerator

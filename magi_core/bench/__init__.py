@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from magi_core.bench.options import SYSTEMS, BenchOptions
+from magi_core.bench.options import ACCELERATOR_TIME_BUDGET_S, GRIDS, SYSTEMS, BenchOptions
 from magi_core.bench.runner import default_out_path, environment, run_benchmark
 from magi_core.errors import MagiError
 
@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma list of systems (default all: {','.join(SYSTEMS)})")
     parser.add_argument("--policies", type=_csv(str), default=("HEURISTIC", "COST_EFFECTIVE", "BASE"),
                         help="magi-core policies, run in this order (default all three)")
+    parser.add_argument("--grid", choices=GRIDS, default="core",
+                        help="core (default): the first policy at every ratio and budget, the others at the budgets; "
+                             "full: every policy at every ratio and budget")
     parser.add_argument("--ratios", type=_csv(float), default=(0.0, 0.25, 0.5),
                         help="gpu_resident_weight_ratio values (default 0,0.25,0.5)")
     parser.add_argument("--budgets", type=_csv(float), default=(0.5,),
@@ -52,14 +55,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlp-hidden", type=int, default=None)
     parser.add_argument("--mlp-layers", type=int, default=None)
     parser.add_argument("--tf-hidden", type=int, default=None)
-    parser.add_argument("--tf-layers", type=int, default=None, help="transformer blocks (default 14: 6.8 GB)")
+    parser.add_argument("--tf-layers", type=int, default=None, help="transformer blocks (default 32: 15.6 GB)")
     parser.add_argument("--tf-heads", type=int, default=None)
     parser.add_argument("--probe-mb", type=int, default=None, help="H2D probe size in MiB (default 1024; cpu 16)")
     parser.add_argument("--compile-on-cpu", action="store_true", help="run Inductor for resident compiled on cpu")
     parser.add_argument("--no-overhead-probe", action="store_true",
                         help="skip the all-resident (ratio 1) magi run used to measure executor host overhead")
     parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds after which remaining configurations are recorded as skipped")
+                        help="seconds after which configurations not yet started are recorded as skipped, split "
+                             f"across the models (default {ACCELERATOR_TIME_BUDGET_S:g} on accelerators, none on the "
+                             "cpu backend; 0: no limit)")
+    parser.add_argument("--accelerate-all-tokens", action="store_true",
+                        help="run accelerate cpu_offload at every token count (default: the smallest only)")
     parser.add_argument("--out", type=Path, default=None,
                         help="result JSON (default benchmarks/results/<date>-<hardware>.json)")
     parser.add_argument("--report", type=Path, default=None, metavar="MARKDOWN",
@@ -75,7 +82,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         mlp_hidden=args.mlp_hidden, mlp_layers=args.mlp_layers, tf_hidden=args.tf_hidden, tf_layers=args.tf_layers,
         tf_heads=args.tf_heads, probe_bytes=args.probe_mb << 20 if args.probe_mb else None,
         compile_on_cpu=args.compile_on_cpu, overhead_probe=not args.no_overhead_probe,
-        time_budget_s=args.time_budget, out=args.out,
+        time_budget_s=args.time_budget, grid=args.grid, accelerate_all_tokens=args.accelerate_all_tokens,
+        out=args.out,
     )
 
 

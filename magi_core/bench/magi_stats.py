@@ -51,9 +51,9 @@ def _live() -> list[Any]:
 
 def host_weights(model: nn.Module) -> Any | None:
     """The :class:`~magi_core.host.HostWeights` that ``magi_core.offload`` attached to ``model``, or None."""
-    from magi_core.runtime import api
+    from magi_core.runtime.api import host_weights as api_host_weights
 
-    return model.__dict__.get(api._HOST_ATTR)
+    return api_host_weights(model)
 
 
 def static_info(model: nn.Module) -> dict[str, Any]:

@@ -11,6 +11,11 @@ import torch
 from magi_core.errors import ConfigError
 
 SYSTEMS = ("resident_eager", "resident_compiled", "magi", "diffusers", "accelerate")
+#: ``core``: the first policy at every ratio and budget, the other policies at the budgets only; ``full``: every
+#: policy at every ratio and budget.
+GRIDS = ("core", "full")
+#: Default ``--time-budget`` on accelerators (seconds): both default models finish inside a 9-minute command.
+ACCELERATOR_TIME_BUDGET_S = 420.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -27,8 +32,9 @@ class Sizes:
     tokens: tuple[int, ...]
 
 
-#: Accelerator default: 6.44 GB MLP stack (baselines.md) and a 6.8 GB transformer (14 x 486 MB blocks, FFN 14336).
-FULL = Sizes(4096, 24, 4096, 14, 32, 3.5, (2048, 16384))
+#: Accelerator default: 6.44 GB MLP stack (baselines.md) and the issue's transformer (32 x 486 MB blocks, FFN 14336,
+#: hidden 4096: 15.6 GB).
+FULL = Sizes(4096, 24, 4096, 32, 32, 3.5, (2048, 16384))
 #: Accelerator quick check: same widths, fewer blocks, one token count.
 QUICK = Sizes(4096, 8, 4096, 4, 32, 3.5, (2048,))
 #: Host-only run: tiny models, figures not meaningful.
@@ -60,6 +66,8 @@ class BenchOptions:
     compile_on_cpu: bool = False
     overhead_probe: bool = True
     time_budget_s: float | None = None
+    grid: str = "core"
+    accelerate_all_tokens: bool = False
     out: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -77,6 +85,10 @@ class BenchOptions:
             raise ConfigError(f"--steps must be >= 10 (median of at least 10 steps), got {self.steps}")
         if self.warmup < 1:
             raise ConfigError(f"--warmup must be >= 1, got {self.warmup}")
+        if self.grid not in GRIDS:
+            raise ConfigError(f"unknown grid {self.grid!r}; choose from {', '.join(GRIDS)}")
+        if self.time_budget_s is not None and self.time_budget_s < 0:
+            raise ConfigError(f"--time-budget must be >= 0 seconds (0: no limit), got {self.time_budget_s}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
 
@@ -93,6 +105,15 @@ class BenchOptions:
         if self.tokens is not None:
             overrides["tokens"] = tuple(self.tokens)
         return replace(base, **overrides)
+
+    def time_budget(self, is_accelerator: bool) -> float | None:
+        """Seconds after which configurations not yet started are skipped: the option, else 420 s on accelerators.
+
+        ``0`` means no limit; the cpu backend has none by default.
+        """
+        if self.time_budget_s is not None:
+            return self.time_budget_s or None
+        return ACCELERATOR_TIME_BUDGET_S if is_accelerator else None
 
     def h2d_probe_bytes(self, is_accelerator: bool) -> int:
         """Bytes of the pinned H2D bandwidth probe: 1 GiB on accelerators, 16 MiB on the host."""

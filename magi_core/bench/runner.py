@@ -32,22 +32,27 @@ NOT_MEANINGFUL = ("cpu backend: tiny models on the host, no accelerator; the fig
 
 
 def system_specs(options: BenchOptions) -> list[SystemSpec]:
-    """The configurations to run, most important first (a ``--time-budget`` skips from the end).
+    """The configurations to run, most important first (a time budget skips from the end).
 
-    Residents first (the error reference and the ideal), then diffusers, magi-core policy by policy, the
-    all-resident overhead probe, and accelerate (the slowest) last.
+    Residents first (the error reference and the ideal), then diffusers, the first magi-core policy at its
+    budgets and ratios, the all-resident overhead probe, the other policies (``core`` grid: at the budgets
+    only; ``full``: at every ratio and budget), and accelerate (the slowest) last.
     """
     specs: list[SystemSpec] = []
     for kind in ("resident_eager", "resident_compiled", "diffusers"):
         if kind in options.systems:
             specs.append(SystemSpec(kind))
-    if "magi" in options.systems:
-        for policy in options.policies:
-            specs += [SystemSpec("magi", policy=policy.upper(), ratio=r) for r in options.ratios]
-            specs += [SystemSpec("magi", policy=policy.upper(), budget_fraction=b) for b in options.budgets]
-        if options.overhead_probe and options.policies and 1.0 not in options.ratios:
+    if "magi" in options.systems and options.policies:
+        first, *others = (p.upper() for p in options.policies)
+        specs += [SystemSpec("magi", policy=first, budget_fraction=b) for b in options.budgets]
+        specs += [SystemSpec("magi", policy=first, ratio=r) for r in options.ratios]
+        if options.overhead_probe and 1.0 not in options.ratios:
             # everything resident: no copies and no host waits, so the host call time is the executor's own cost
-            specs.append(SystemSpec("magi", policy=options.policies[0].upper(), ratio=1.0))
+            specs.append(SystemSpec("magi", policy=first, ratio=1.0))
+        for policy in others:
+            specs += [SystemSpec("magi", policy=policy, budget_fraction=b) for b in options.budgets]
+            if options.grid == "full":
+                specs += [SystemSpec("magi", policy=policy, ratio=r) for r in options.ratios]
     if "accelerate" in options.systems:
         specs.append(SystemSpec("accelerate"))
     return specs
@@ -116,7 +121,7 @@ def _record_base(w: Workload, spec: SystemSpec, tokens: int) -> dict[str, Any]:
 
 
 def _run_tokens(backend: Backend, w: Workload, p: Prepared, tokens: int, options: BenchOptions,
-                reference: dict[int, tuple[torch.Tensor, str]], label: str) -> dict[str, Any]:
+                reference: dict[int, tuple[torch.Tensor, str]], label: str, host_timing: bool) -> dict[str, Any]:
     """Warm up, time ``options.steps`` steps at ``tokens`` and collect every per-configuration figure."""
     x = w.make_input(tokens, backend.device())
     dm = backend.device_module
@@ -138,7 +143,7 @@ def _run_tokens(backend: Backend, w: Workload, p: Prepared, tokens: int, options
         "status": "ok",
         "step_ms": times.median_ms,
         "steps_ms": [round(t, 4) for t in times.device_ms],
-        "host_call_ms": measure.host_call_ms(backend, lambda: p.fn(x)) if p.host_timing else None,
+        "host_call_ms": measure.host_call_ms(backend, lambda: p.fn(x)) if p.host_timing and host_timing else None,
         "host_call_backtoback_ms": times.host_median_ms,
         "peak_alloc_bytes": peak_alloc,
         "peak_reserved_bytes": peak_reserved,
@@ -180,7 +185,10 @@ def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
         "workloads": {}, "runs": [], "notes": [],
     }
     specs = system_specs(options)
-    for w in workloads(options, sizes):
+    budget = options.time_budget(backend.is_accelerator)
+    doc["time_budget_s"] = budget
+    deadlines = _deadlines(options, sizes, start, budget)
+    for w, deadline in zip(workloads(options, sizes), deadlines, strict=True):
         if "magi" in options.systems:
             with torch.device("meta"):
                 note = shm_note(backend, sum(p.numel() * p.element_size() for p in w.build().parameters()))
@@ -197,7 +205,7 @@ def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
         logger.info("%s: %.3f GB of weights, %d blocks", w.name, w.weight_bytes / 1e9, len(w.block_bytes))
         reference: dict[int, tuple[torch.Tensor, str]] = {}
         for spec in specs:
-            doc["runs"] += _run_system(backend, w, spec, sizes.tokens, options, reference, start)
+            doc["runs"] += _run_system(backend, w, spec, sizes.tokens, options, reference, deadline)
             if options.out is not None:
                 write_json(analysis.finalize(doc), options.out)
         w.release()
@@ -209,20 +217,57 @@ def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
     return doc
 
 
+def _deadlines(options: BenchOptions, sizes: Sizes, start: float, budget: float | None) -> list[float | None]:
+    """When each model's configurations stop being started: the budget split half evenly, half by weight bytes.
+
+    The deadlines are cumulative, so time a model leaves unused goes to the next one.
+    """
+    names = list(options.models)
+    if budget is None:
+        return [None] * len(names)
+    sizes_b = []
+    for w in workloads(options, sizes):
+        with torch.device("meta"):
+            sizes_b.append(sum(p.numel() * p.element_size() for p in w.build().parameters()))
+    total = sum(sizes_b) or 1
+    out: list[float | None] = []
+    acc = 0.0
+    for b in sizes_b:
+        acc += 0.5 / len(names) + 0.5 * b / total
+        out.append(start + budget * acc)
+    return out
+
+
+def skip_reason(spec: SystemSpec, tokens: int, tokens_list: tuple[int, ...], options: BenchOptions,
+                 deadline: float | None) -> str | None:
+    """Why this configuration is not run at ``tokens`` (time budget, accelerate at one token count), or None."""
+    if deadline is not None and time.perf_counter() > deadline:
+        return "time budget spent (--time-budget; 0 for no limit)"
+    if spec.kind == "accelerate" and not options.accelerate_all_tokens and tokens != min(tokens_list):
+        return "accelerate runs at the smallest token count only (--accelerate-all-tokens for every count)"
+    return None
+
+
 def _run_system(backend: Backend, w: Workload, spec: SystemSpec, tokens_list: tuple[int, ...], options: BenchOptions,
-                reference: dict[int, tuple[torch.Tensor, str]], start: float) -> list[dict[str, Any]]:
+                reference: dict[int, tuple[torch.Tensor, str]], deadline: float | None) -> list[dict[str, Any]]:
     """Prepare one system and run it at every token count; failures are recorded, never raised."""
     records = [_record_base(w, spec, t) for t in tokens_list]
-    if options.time_budget_s is not None and time.perf_counter() - start > options.time_budget_s:
+    if all(skip_reason(spec, t, tokens_list, options, deadline) for t in tokens_list):
         for r in records:
-            r.update(status="skipped", reason=f"time budget of {options.time_budget_s:g} s spent")
+            r.update(status="skipped", reason=skip_reason(spec, r["tokens"], tokens_list, options, deadline))
         return records
     p: Prepared | None = None
     try:
         p = prepare(w, backend, spec, compile_on_cpu=options.compile_on_cpu)
         for r in records:
+            why = skip_reason(spec, r["tokens"], tokens_list, options, deadline)
+            if why is not None:
+                r.update(status="skipped", reason=why)
+                continue
             try:
-                r.update(_run_tokens(backend, w, p, r["tokens"], options, reference, spec.label))
+                # host timing (idle-device calls) at the smallest token count only: launch cost does not grow with it
+                r.update(_run_tokens(backend, w, p, r["tokens"], options, reference, spec.label,
+                                     host_timing=r["tokens"] == min(tokens_list)))
                 logger.info("%-12s %6d tok  %-34s %9.3f ms", w.name, r["tokens"], spec.label, r["step_ms"])
             except Exception as exc:  # OOM and friends: record and continue with the next configuration
                 r.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:400]}")

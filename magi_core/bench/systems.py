@@ -139,22 +139,61 @@ def prepare_magi(workload: Workload, backend: Backend, spec: SystemSpec) -> Prep
                     close=close, stats=watch.step_info)
 
 
+#: A 1-element host buffer the bench adds to a model that holds no weights outside its block lists (see below).
+DIFFUSERS_ANCHOR = "_bench_diffusers_prefetch_anchor"
+
+
+def block_lists(model: nn.Module) -> list[str]:
+    """Names of ``model``'s direct ``ModuleList``/``Sequential`` children: what diffusers' block level offloads."""
+    return [name for name, child in model.named_children() if isinstance(child, nn.ModuleList | nn.Sequential)]
+
+
+def has_top_level_group(model: nn.Module) -> bool:
+    """True when diffusers block-level offloading would form its top-level group for ``model``.
+
+    That group holds every direct child that is not a block list and every parameter or buffer outside the
+    block lists; diffusers 0.42 installs its lazy prefetch hook (which records the execution order on the
+    first call and then chains the stream prefetches) only on that group. Without it, ``use_stream=True``
+    gives every block a self-onloading group whose copy runs on the transfer stream while the block's
+    kernels already read the weights: the output is garbage.
+    """
+    blocks = set(block_lists(model))
+    if any(name not in blocks for name, _ in model.named_children()):
+        return True
+    return any(True for _ in model.parameters(recurse=False)) or any(True for _ in model.buffers(recurse=False))
+
+
 def prepare_diffusers(workload: Workload, backend: Backend) -> Prepared:
-    """diffusers group offloading: block level, one block per group, copy stream, ``record_stream``."""
+    """diffusers group offloading: block level, one block per group, copy stream and ``record_stream``.
+
+    Applied as diffusers documents it for a plain ``nn.Module``: the blocks are a ``ModuleList`` that is a
+    direct child of the model, and everything outside them (final norm) becomes the top-level group that is
+    onloaded for each call. A model with nothing outside its blocks (the MLP stack) gets a 1-element host
+    buffer so that diffusers forms that group and its prefetch hook (see :func:`has_top_level_group`), as it
+    does for every diffusers model (embeddings, output norms). The first call records the execution order
+    (blocking copies); later calls prefetch the next block on the copy stream. On the cpu backend the stream
+    variant cannot run: the same offloading runs with ``use_stream=False`` (checks correctness, not speed).
+    """
     if importlib.util.find_spec("diffusers") is None:
         raise SystemSkipped("diffusers is not installed (pip install 'magi-core[bench]')")
-    if not backend.is_accelerator:
-        raise SystemSkipped("diffusers group offloading with use_stream=True needs an accelerator")
     from diffusers.hooks import apply_group_offloading
 
+    use_stream = backend.is_accelerator
     t0 = time.perf_counter()
     model = workload.fresh()
+    if not block_lists(model):
+        raise SystemSkipped(f"{type(model).__name__} has no ModuleList/Sequential child for block-level offloading")
+    anchored = use_stream and not has_top_level_group(model)
+    if anchored:
+        model.register_buffer(DIFFUSERS_ANCHOR, torch.zeros(1, dtype=workload.dtype), persistent=False)
     apply_group_offloading(model, onload_device=backend.device(), offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1, use_stream=True, record_stream=True)
+                           offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
+                           record_stream=use_stream)
     backend.device_module.synchronize()
     return Prepared(_no_grad(model), time.perf_counter() - t0, 2,
                     info={"resident_bytes": 0, "streamed_bytes": workload.weight_bytes,
-                          "units": len(workload.block_bytes)}, host_timing=False)
+                          "units": len(workload.block_bytes), "diffusers_use_stream": use_stream,
+                          "diffusers_prefetch_anchor": anchored}, host_timing=False)
 
 
 def prepare_accelerate(workload: Workload, backend: Backend) -> Prepared:
