@@ -145,12 +145,20 @@ HOW_TO = """\
 Run `magi bench` (or `python benchmarks/run_bench.py`) on the machine to measure: it writes
 `benchmarks/results/<date>-<hardware>[-<models>].json`; then `python benchmarks/report.py` rewrites
 this page and its plots from every JSON there. Options: `--models mlp,transformer`, `--tokens`,
-`--systems`, `--policies`, `--ratios`, `--budgets`, `--steps` (>= 10), `--quick`, `--time-budget S`
-(configurations not started by then are recorded as skipped), sizes (`--mlp-layers`, `--tf-layers`, ...).
-Defaults on an accelerator: the 24-block MLP stack of baselines.md (6.44 GB bf16) and the synthetic
-transformer of `magi_core.models` at hidden 4096, 32 heads, SwiGLU FFN 14336, 14 blocks (6.8 GB bf16;
-the issue's 32 blocks are `--tf-layers 32`, 15.6 GB, too slow for one 8-minute command), at 2048 and
-16384 tokens. On the cpu backend it runs tiny models and marks the figures as not meaningful.
+`--systems`, `--policies`, `--ratios`, `--budgets`, `--grid core|full`, `--steps` (>= 10), `--quick`,
+`--time-budget S`, `--accelerate-all-tokens`, sizes (`--mlp-layers`, `--tf-layers`, ...).
+Defaults on an accelerator: the 24-block MLP stack of baselines.md (6.44 GB bf16) and the issue's
+synthetic transformer (`magi_core.models`: hidden 4096, 32 heads, SwiGLU FFN 14336, 32 blocks,
+15.6 GB bf16) at 2048 and 16384 tokens; the `core` grid (the first policy at every ratio and budget
+plus the all-resident probe, the other policies at the budgets; `--grid full` runs every policy at
+every ratio); accelerate at the smallest token count only; a 420 s time budget split across the
+models (configurations not started in time are recorded as skipped; `--time-budget 0` lifts it), so
+both models finish inside one 9-minute command. diffusers runs `apply_group_offloading` at block level,
+one block per group, with a copy stream and `record_stream`; a model with no weights outside its block
+list (the MLP stack) gets a 1-element host buffer so that diffusers builds its top-level group and with
+it the prefetch chain (without it, diffusers 0.42 copies each block on its stream while the block
+already computes). On the cpu backend it runs tiny models (diffusers without a stream) and marks the
+figures as not meaningful.
 """
 
 LEGEND = """\
