@@ -16,7 +16,13 @@ from magi_core import cpu_backend
 from magi_core.bench import BenchOptions, add_arguments, analysis, main, report
 from magi_core.bench.options import ACCELERATOR_TIME_BUDGET_S
 from magi_core.bench.runner import skip_reason, system_specs
-from magi_core.bench.systems import DIFFUSERS_ANCHOR, SystemSpec, has_top_level_group, magi_available
+from magi_core.bench.systems import (
+    DIFFUSERS_ANCHOR,
+    SystemSpec,
+    has_top_level_group,
+    magi_available,
+    prefetch_hook_missing,
+)
 from magi_core.bench.workloads import MLPShape, mlp_workload, transformer_workload
 from magi_core.errors import ConfigError
 from magi_core.models import TransformerSpec
@@ -221,9 +227,7 @@ def test_diffusers_stream_prefetch_needs_a_top_level_group() -> None:
                                     non_blocking=False, record_stream=True, low_cpu_mem_usage=True,
                                     num_blocks_per_group=1, stream=object())
         _apply_group_offloading(model, cfg)
-        registry = getattr(model, "_diffusers_hook", None)
-        prefetch = registry is not None and registry.get_hook("lazy_prefetch_group_offloading") is not None
-        assert prefetch is anchored
+        assert prefetch_hook_missing(model) is not anchored
 
 
 def test_core_and_full_grids_order_and_size() -> None:

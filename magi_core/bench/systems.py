@@ -163,6 +163,20 @@ def has_top_level_group(model: nn.Module) -> bool:
     return any(True for _ in model.parameters(recurse=False)) or any(True for _ in model.buffers(recurse=False))
 
 
+def prefetch_hook_missing(model: nn.Module) -> bool:
+    """True when diffusers' hook registry on ``model`` lacks the lazy prefetch hook (False if it cannot tell)."""
+    registry = getattr(model, "_diffusers_hook", None)
+    if registry is None:  # hooks on the blocks but none on the model itself: no top-level group, no prefetch chain
+        return any(getattr(m, "_diffusers_hook", None) is not None for m in model.modules())
+    get_hook = getattr(registry, "get_hook", None)
+    if get_hook is None:
+        return False
+    try:
+        return get_hook("lazy_prefetch_group_offloading") is None
+    except Exception:  # another diffusers layout: the error check against resident still guards the output
+        return False
+
+
 def prepare_diffusers(workload: Workload, backend: Backend) -> Prepared:
     """diffusers group offloading: block level, one block per group, copy stream and ``record_stream``.
 
@@ -189,6 +203,9 @@ def prepare_diffusers(workload: Workload, backend: Backend) -> Prepared:
     apply_group_offloading(model, onload_device=backend.device(), offload_device=torch.device("cpu"),
                            offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
                            record_stream=use_stream)
+    if use_stream and prefetch_hook_missing(model):
+        raise RuntimeError("diffusers installed no lazy prefetch hook on the model: its stream copies would race the "
+                           "blocks' kernels; check has_top_level_group() against this diffusers version")
     backend.device_module.synchronize()
     return Prepared(_no_grad(model), time.perf_counter() - t0, 2,
                     info={"resident_bytes": 0, "streamed_bytes": workload.weight_bytes,
