@@ -26,6 +26,7 @@ def test_demo_runs_every_policy_and_ratio(capsys):
     for policy in demo.POLICIES:
         assert f"{policy} r=0 " in out and f"{policy} r=1 " in out
     assert "resident" in out
+    assert "compiler" in out and " eager " in out
     assert registered_ranges() == before
     torch._dynamo.reset()
 
@@ -40,4 +41,15 @@ def test_rows_report_streamed_bytes_and_errors():
     assert all(r.rel_err <= 1e-5 for r in rows)
     table = demo.format_table(rows)
     assert len(table.splitlines()) == 2 + len(rows)
+    torch._dynamo.reset()
+
+
+def test_inductor_rows_compare_like_with_like():
+    # bf16 with Inductor units: the reference is Inductor-compiled too, both rounding where the model casts
+    args = parse("--layers", "4", "--hidden", "64", "--heads", "2", "--tokens", "16", "--steps", "1", "--dtype", "bf16",
+                 "--unit-compiler", "inductor", "--no-progress", "--policies", "BASE", "--ratios", "0")
+    rows = demo.run_demo(args, emit=lambda s: None)
+    assert [(r.name, r.compiler) for r in rows] == [("resident", "inductor"), ("BASE r=0", "inductor")]
+    assert rows[1].rel_err <= 1e-3, "only fusion boundaries differ: the offloaded units should round like the graph"
+    assert "inductor" in demo.format_table(rows).splitlines()[2]
     torch._dynamo.reset()

@@ -12,6 +12,7 @@ from magi_core.registry import get_backend
 from magi_core.runtime.api import offload, release
 from magi_core.runtime.compile_backend import live_runtimes
 from magi_core.runtime.config import OffloadConfig
+from magi_core.runtime.unit_compile import like_with_like
 
 pytestmark = pytest.mark.accelerator
 
@@ -63,7 +64,7 @@ def test_inductor_units_match(backend):
     model = build_transformer(spec)
     x = example_input(spec, tokens=128)
     dev = backend.device()
-    with torch.no_grad():
+    with torch.no_grad(), like_with_like("inductor"):
         ref = torch.compile(build_transformer(spec).to(dev))(x.to(dev))
         torch._dynamo.reset()
         f = torch.compile(model, backend="magi_offload", options={"policy": "HEURISTIC", "unit_compiler": "inductor"})
@@ -123,13 +124,13 @@ def test_offload_device_inputs_kwargs_and_tuple_output(backend, unit_compiler):
     ref_model = _KwTuple(spec).eval().to(dev)
     xd = example_input(spec, tokens=64).to(dev)
     shift = torch.randn(spec.hidden, generator=torch.Generator().manual_seed(5)).to(spec.dtype).to(dev)
-    with torch.no_grad():
+    with torch.no_grad(), like_with_like(unit_compiler):
         run_ref = torch.compile(ref_model) if unit_compiler == "inductor" else ref_model
         refs = {eps: run_ref(xd, extra={"shift": shift}, eps=eps) for eps in (1e-6, 1e-3)}
     torch._dynamo.reset()
     offload(model, OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5, unit_compiler=unit_compiler))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), like_with_like(unit_compiler):
             for eps in (1e-6, 1e-3, 1e-6, 1e-3, 1e-6):
                 h, m, s = model(xd, extra={"shift": shift}, eps=eps)
                 assert h.device == xd.device and m.device == xd.device

@@ -4,6 +4,12 @@
 ``options=`` as a keyword (torch 2.x passes non-empty ``options``, and ``mode`` when not "default", to
 every registered backend). Options are :class:`~magi_core.runtime.config.OffloadConfig` fields, plus
 ``"config"`` (an ``OffloadConfig`` to start from); ``MAGI_OFFLOAD_*`` environment variables override both.
+
+Inputs must be on the host on this path: Dynamo fake-runs the model's code with its (host) weights before
+any backend is called, so a device input fails inside Dynamo ("found two different devices"), and so does
+every graph after a graph break (its inputs are device outputs). For device inputs use
+:func:`magi_core.runtime.api.offload` (``magi_core.offload``), which hands Dynamo host proxies of device
+tensors and compiles one graph; this backend's input preparation swaps the device tensors back in.
 """
 
 from __future__ import annotations

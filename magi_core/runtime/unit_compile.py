@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -84,3 +85,17 @@ def eager_forward(module: torch.fx.GraphModule) -> Callable[..., Any]:
     if callable(real):
         real()  # a lazy GraphModule generates its code now instead of on every call's check
     return module.forward
+
+
+def like_with_like(compiler: str) -> contextlib.AbstractContextManager[Any]:
+    """Inductor settings under which a whole-graph compile and per-unit compiles round alike (no-op for eager).
+
+    With ``emulate_precision_casts`` Inductor rounds low-precision values where the model's code casts them,
+    not wherever a fused kernel ends, so results no longer depend on fusion (hence unit) boundaries: use it
+    around both the reference and the offloaded run when comparing them. Not applied to normal runs.
+    """
+    if compiler != "inductor":
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(emulate_precision_casts=True)
