@@ -60,6 +60,16 @@ def test_copies_on_copy_stream_and_compute_waits_on_copy_events_only(results):
                 assert step["n_waits"] > 0
 
 
+def test_copies_start_no_earlier_than_the_unit_that_issues_them(results):
+    # the copy stream waits on a compute-stream event recorded just before the issuing unit's launch
+    for r in results:
+        for step in r["steps"]:
+            assert step["copy_waits_on_compute_events_only"]
+            assert step["copies_gated_at_their_unit"], (r["model"], r["policy"], r["ratio"])
+            if any(c[0] > 0 for c in step["copies"]):
+                assert step["n_copy_waits"] > 0
+
+
 def test_peak_device_bytes_within_budget_plus_two_units(results):
     for r in results:
         for step in r["steps"]:

@@ -7,8 +7,15 @@ user with ``record_stream``. The warm-up state machine (:mod:`.lifecycle`) swaps
 
 Runs under ``torch.no_grad()``: the offload runtime is for inference.
 
+Copies issued before unit ``i`` (the plan's ``prefetch_at[i]``, on-demand copies, and the next step's carry
+at the last unit) start on the device no earlier than unit ``i`` does: the copy stream waits on an event
+recorded on the compute stream just before unit ``i`` is launched. The scheduler's predicted peak memory
+assumes exactly this; without the gate a copy could start as soon as the host issued it.
+
 The host never runs more than :data:`HOST_LEAD_UNITS` units ahead of the device before issuing copies, so
-allocations of streamed weights stay within the plan's working set plus about one unit.
+allocations of streamed weights stay within the plan's working set plus about one unit. It adds no bubble:
+in a transfer-bound steady state unit ``i - HOST_LEAD_UNITS`` ends about when its own weights' copy ends,
+at least one full copy before the copy stream drains, so the next copy is always queued in time.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ from magi_core.runtime.weights import RESIDENT, CopyEngine, ResidentSet, Residen
 
 logger = logging.getLogger(__name__)
 
-#: Before issuing copies at unit ``i``, the host waits until unit ``i - HOST_LEAD_UNITS`` has finished.
+#: Before issuing copies at unit ``i``, the host waits until unit ``i - HOST_LEAD_UNITS`` has finished
+#: (a fixed property of the executor, not a tuning knob: it bounds the streamed allocations pending on the
+#: copy stream; 2 leaves a unit of slack for host jitter before the copy stream could run dry).
 HOST_LEAD_UNITS = 2
 
 
@@ -85,6 +94,8 @@ class OffloadExecutor:
         dm = backend.device_module
         self._current_stream = dm.current_stream
         self._done = [dm.Event() for _ in range(self.n_units)]
+        #: Recorded on the compute stream just before unit i's launch; the copy stream waits on it.
+        self._launch = [dm.Event() for _ in range(self.n_units)]
         self._store = store if store is not None else RESIDENT
         self.fns: list[Callable[..., Any]] = [
             unit_callable(u.module, u.attr, unit_compiler, self._installer(u.index)) for u in split.units
@@ -100,6 +111,7 @@ class OffloadExecutor:
         self.actions: StepActions | None = None
         self.resident: ResidentSet | None = None
         self._sync_before: tuple[int, ...] = ()
+        self._gate: tuple[bool, ...] = ()
 
     def _installer(self, index: int) -> Callable[[Callable[..., Any]], None]:
         def install(fn: Callable[..., Any]) -> None:
@@ -129,6 +141,7 @@ class OffloadExecutor:
             if actions.issue[u] or (u == n - 1 and actions.carry):
                 sync[u] = u - HOST_LEAD_UNITS
         self._sync_before = tuple(sync)
+        self._gate = tuple(bool(actions.issue[u]) or (u == n - 1 and bool(actions.carry)) for u in range(n))
         self._record_done = tuple(any(s == u for s in sync) for u in range(n))
         logger.debug(
             "magi offload plan %s: %d resident weights (%d B), %d B streamed per step in %d batches",
@@ -210,6 +223,9 @@ class OffloadExecutor:
         layouts = self.program.units
         fns = self.fns
         done = self._done
+        launch = self._launch
+        gate = self._gate
+        copy_wait = self.copier.copy_stream.wait_event
         sync_before = self._sync_before
         record_done = self._record_done
         batches = actions.batches
@@ -221,6 +237,9 @@ class OffloadExecutor:
             issue = actions.issue[u]
             if sync_before[u] >= 0:
                 done[sync_before[u]].synchronize()
+            if gate[u]:  # these copies start on the device no earlier than unit u
+                launch[u].record(compute)
+                copy_wait(launch[u])
             for b in issue:
                 self._issue(b, args, env, events, batches)
             if u == last and actions.carry:

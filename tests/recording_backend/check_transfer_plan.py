@@ -48,6 +48,22 @@ def steady_facts(f, args, ex, base0: int) -> dict:
     recorded_events = device.EVENT_STREAM
     copy_stream = ex.copier.copy_stream.sid
     waits = [e for e in log if e[0] == "wait_event"]
+    compute_waits = [w for w in waits if w[1] != copy_stream]
+    copy_waits = [w for w in waits if w[1] == copy_stream]
+    # gate of each copy: units launched when the event the copy stream last waited on was recorded
+    launched = 0
+    recorded_at: dict[int, int] = {}
+    gate = None
+    gates = []
+    for e in log:
+        if e[0] == "range_push" and e[1].startswith("magi.unit"):
+            launched += 1
+        elif e[0] == "event_record":
+            recorded_at[e[1]] = launched
+        elif e[0] == "wait_event" and e[1] == copy_stream:
+            gate = recorded_at.get(e[2])
+        elif e[0] == "copy":
+            gates.append(gate)
     largest = sorted((u.nbytes for u in ex.units), reverse=True)[:2]
     return {
         "copies": [[c[0], c[1]] for c in copies],
@@ -55,8 +71,11 @@ def steady_facts(f, args, ex, base0: int) -> dict:
         "distinct_sources": len({c[2] for c in copies}) == len(copies),
         "all_on_copy_stream": all(c[3] == copy_stream for c in copies),
         "all_non_blocking": all(c[4] for c in copies),
-        "waits_on_copy_events_only": all(recorded_events.get(w[2]) == copy_stream for w in waits),
-        "n_waits": len(waits),
+        "waits_on_copy_events_only": all(recorded_events.get(w[2]) == copy_stream for w in compute_waits),
+        "copy_waits_on_compute_events_only": all(recorded_events.get(w[2]) != copy_stream for w in copy_waits),
+        "copies_gated_at_their_unit": all(g == c[0] for g, c in zip(gates, copies, strict=True) if c[0] > 0),
+        "n_waits": len(compute_waits),
+        "n_copy_waits": len(copy_waits),
         "peak": device.max_memory_allocated() - base0,
         "predicted_peak": int(ex.plan.notes["peak_device_bytes"]),
         "budget": int(ex.plan.notes["peak_device_bytes"]) + sum(largest),
