@@ -58,16 +58,16 @@ def build_actions(units: list[OffloadUnit], plan: Plan) -> StepActions:
     n = len(units)
     owner = weight_owners(units)
     resident_w: dict[int, int] = {}
-    for u in units:
-        for w in u.weights:
-            if owner[w.input_index] in plan.resident:
-                resident_w[w.input_index] = w.nbytes
+    for unit in units:
+        for slot in unit.weights:
+            if owner[slot.input_index] in plan.resident:
+                resident_w[slot.input_index] = slot.nbytes
     streamed: list[list[int]] = [[w.input_index for w in u.weights if w.input_index not in resident_w] for u in units]
     nbytes = {w.input_index: w.nbytes for u in units for w in u.weights}
     last_user: dict[int, int] = {}
-    for u in units:
-        for w in streamed[u.index]:
-            last_user[w] = u.index
+    for unit in units:
+        for w in streamed[unit.index]:
+            last_user[w] = unit.index
 
     batches: list[tuple[int, ...]] = []
     batch_unit: list[int] = []

@@ -50,7 +50,8 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any 
     cfg = resolve_config(config)
     model.__dict__[_HOST_ATTR] = materialize(model, options=host_options)
     backend = get_backend()
-    compiled = torch.compile(model._call_impl, backend="magi_offload", options={"config": cfg}, **compile_kwargs)
+    options: dict[str, Any] = {"config": cfg}
+    compiled = torch.compile(model._call_impl, backend="magi_offload", options=options, **compile_kwargs)
     # nn.Module.__call__ runs ``_compiled_call_impl`` when set: exactly what ``nn.Module.compile`` installs,
     # here behind the host-side wrapper that hands Dynamo host proxies for device inputs.
     model._compiled_call_impl = OffloadedForward(compiled, _device_predicate(backend.device_type,

@@ -102,7 +102,7 @@ def build_program(split: SplitGraph, weight_inputs: frozenset[int] | None = None
                 raise MagiError(f"split graph node {node.name} indexes something other than a unit result")
             u = unit_of_node[src]
             slot[node] = next_slot
-            getitems[u].append((int(node.args[1]), next_slot))  # type: ignore[arg-type]
+            getitems[u].append((int(node.args[1]), next_slot))
             use(next_slot, u)  # produced by u: at least alive until u ends
             next_slot += 1
             continue

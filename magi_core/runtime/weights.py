@@ -131,7 +131,7 @@ class ResidentSet:
         """Put every resident weight's device copy into ``env`` (copying only when the host tensor changed)."""
         hosts, devs, ptrs = self._hosts, self._devs, self._ptrs
         for k, i in enumerate(self.indices):
-            h = args[i]
+            h: torch.Tensor = args[i]
             if h is not hosts[k] or h.data_ptr() != ptrs[k]:
                 if hosts[k] is not None:
                     self._store.release(id(hosts[k]), ptrs[k], self._device)
