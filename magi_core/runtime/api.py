@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -38,27 +39,42 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any 
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() takes an nn.Module, got {type(model).__name__}")
+    _check_compile_kwargs(compile_kwargs)  # before any host work
+    cfg = resolve_config(config)
+    model.__dict__[_HOST_ATTR] = materialize(model, options=host_options)
+    # nn.Module.__call__ runs ``_compiled_call_impl`` when set: exactly what ``nn.Module.compile`` installs,
+    # here behind the host-side wrapper that hands Dynamo host proxies for device inputs.
+    model._compiled_call_impl = compile_offloaded(model._call_impl, cfg, name=type(model).__name__, **compile_kwargs)
+    logger.info("magi offload: %s forward runs through magi_offload (%s)", type(model).__name__, cfg.to_dict())
+    return model
+
+
+def compile_offloaded(
+    fn: Callable[..., Any], config: OffloadConfig | None = None, *, name: str | None = None, **compile_kwargs: Any
+) -> OffloadedForward:
+    """``fn`` (a module or function whose weights are already on the host) compiled through ``magi_offload``.
+
+    One graph (``fullgraph=True``), called through :class:`~magi_core.runtime.device_inputs.OffloadedForward`
+    so device inputs work; weights are left as they are (:func:`offload` also materialises them).
+    """
+    _check_compile_kwargs(compile_kwargs)
+    compile_kwargs["fullgraph"] = True
+    options: dict[str, Any] = {"config": resolve_config(config)}
+    compiled = torch.compile(fn, backend="magi_offload", options=options, **compile_kwargs)
+    backend = get_backend()
+    label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+    return OffloadedForward(compiled, _device_predicate(backend.device_type, backend.is_accelerator), model_name=label)
+
+
+def _check_compile_kwargs(compile_kwargs: dict[str, Any]) -> None:
     if compile_kwargs.get("fullgraph", True) is not True:
         raise ConfigError(
-            "offload() compiles the forward with fullgraph=True (device inputs and host weights cannot meet in "
+            "offload compiles the forward with fullgraph=True (device inputs and host weights cannot meet in "
             "eager code between graphs); drop fullgraph=False, or use torch.compile(model, backend='magi_offload') "
             "with host inputs"
         )
     if "backend" in compile_kwargs or "options" in compile_kwargs:
-        raise ConfigError("offload() sets torch.compile's backend and options itself; pass an OffloadConfig instead")
-    compile_kwargs["fullgraph"] = True
-    cfg = resolve_config(config)
-    model.__dict__[_HOST_ATTR] = materialize(model, options=host_options)
-    backend = get_backend()
-    options: dict[str, Any] = {"config": cfg}
-    compiled = torch.compile(model._call_impl, backend="magi_offload", options=options, **compile_kwargs)
-    # nn.Module.__call__ runs ``_compiled_call_impl`` when set: exactly what ``nn.Module.compile`` installs,
-    # here behind the host-side wrapper that hands Dynamo host proxies for device inputs.
-    model._compiled_call_impl = OffloadedForward(compiled, _device_predicate(backend.device_type,
-                                                                              backend.is_accelerator),
-                                                 model_name=type(model).__name__)
-    logger.info("magi offload: %s forward runs through magi_offload (%s)", type(model).__name__, cfg.to_dict())
-    return model
+        raise ConfigError("offload sets torch.compile's backend and options itself; pass an OffloadConfig instead")
 
 
 def _device_predicate(device_type: str, is_accelerator: bool) -> Any:
