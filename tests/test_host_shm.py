@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import stat
 import subprocess
@@ -165,3 +166,55 @@ def test_process_exit_unregisters_everything(shm_dir: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["registered_before_exit"] == 1 and out["registered_at_exit"] == 0
+
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+def test_mapping_memory_counts_only_the_arena(shm_dir: str) -> None:
+    """The sharing tests' measure: the arena mapping alone, found by address or by its unlinked file."""
+    from magi_core.host.memstat import mapping_memory
+
+    m = nn.Linear(512, 512)  # ~1 MiB of fp32
+    with materialize(m, options=HostOptions(progress=False)) as hw:
+        m.weight.sum()
+        (path,) = hw.files
+        ((_, nbytes),) = hw.mapped_ranges
+        alone = hw.mapping_memory()
+        assert alone["mappings"] == 1 and alone["Size"] == nbytes
+        assert alone["Rss"] == alone["Pss"] == nbytes  # every page touched, mapped by us only
+        assert not os.path.exists(path) and mapping_memory([], [path]) == alone
+        assert mapping_memory([(0, 4096)]) == {"Size": 0, "Rss": 0, "Pss": 0, "mappings": 0}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+def test_mapping_memory_splits_pages_shared_with_another_process(shm_dir: str) -> None:
+    from magi_core.host.memstat import mapping_memory
+
+    nbytes = 64 * mmap.PAGESIZE
+    path = os.path.join(shm_dir, "pss-probe.bin")
+    fd = shm.create(path, nbytes)
+    mm = shm.map_fd(fd, nbytes)
+    os.close(fd)
+    mm[:] = b"\1" * nbytes
+    ptr = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+    script = textwrap.dedent(f"""
+        import mmap, os, sys
+        fd = os.open({path!r}, os.O_RDONLY)
+        mm = mmap.mmap(fd, {nbytes}, prot=mmap.PROT_READ)
+        sum(mm[i] for i in range(0, {nbytes}, mmap.PAGESIZE))
+        print("mapped", flush=True)
+        sys.stdin.read()
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "mapped"
+        shm.unlink(path)
+        shared = mapping_memory([(ptr, nbytes)])
+        assert mapping_memory([], [path]) == shared
+    finally:
+        child.communicate("")
+        shm.unlink(path)
+    alone = mapping_memory([(ptr, nbytes)])
+    del mm
+    assert shared == {"Size": nbytes, "Rss": nbytes, "Pss": nbytes // 2, "mappings": 1}
+    assert alone == {"Size": nbytes, "Rss": nbytes, "Pss": nbytes, "mappings": 1}

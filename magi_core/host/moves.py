@@ -53,7 +53,8 @@ def install(modules: list[nn.Module], owned: Callable[[torch.Tensor], bool]) -> 
                             hidden.append((store, name, t))
                 for store, name, _ in hidden:
                     store[name] = None
-                return _original(self, fn, *args, **kwargs)
+                result: nn.Module = _original(self, fn, *args, **kwargs)
+                return result
             finally:
                 for store, name, t in hidden:
                     store[name] = t

@@ -82,7 +82,10 @@ def main() -> None:
 
     def on_progress(phase: str, done: int, total: int) -> None:
         for name in os.listdir(shm_dir):
-            seen_modes.append(stat.S_IMODE(os.stat(os.path.join(shm_dir, name)).st_mode))
+            try:
+                seen_modes.append(stat.S_IMODE(os.stat(os.path.join(shm_dir, name)).st_mode))
+            except FileNotFoundError:  # another rank unlinked its file (mapped) since the listing
+                continue
         if args.scenario == "crash" and rank == 0 and phase == "copy":
             os.kill(os.getpid(), signal.SIGKILL)
 
