@@ -13,6 +13,7 @@ if [ ! -d "$site" ]; then
        . ./backends/cuda ./backends/musa || { echo "install failed"; exit 3; }
 fi
 export PYTHONPATH=$site:${PYTHONPATH:-}
+df -h /dev/shm | tee "$OUT/shm.txt"; nproc; free -g
 python3 - <<'PY' | tee "$OUT/env.txt"
 import torch, magi_core, platform
 print("torch", torch.__version__, "python", platform.python_version())
