@@ -7,6 +7,7 @@ Without files it uses every JSON under benchmarks/results/ (accelerator runs fir
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG plots (default next to --md)")
     args = parser.parse_args(argv)
     paths = args.results or sorted((ROOT / "benchmarks" / "results").glob("*.json"))
-    docs = [load(p) for p in paths]
+    # the results folder also holds other benchmarks' JSON (host bandwidth): keep `magi bench` documents only
+    docs = [load(p) for p in paths if args.results or "runs" in json.loads(p.read_text())]
     for path in write_report(docs, args.md, args.plots):
         print(f"wrote {path}")
     return 0
