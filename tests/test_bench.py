@@ -159,6 +159,11 @@ def test_analysis_ideal_ratio_and_targets() -> None:
          "host_call_ms": 0.9, "resident_bytes": 10**9, "streamed_bytes": 0, "recompiles": 1},
         {"system": "magi", "label": "magi H budget=0.5W", "policy": "H", "budget_fraction": 0.5, "step_ms": 5.0,
          "streamed_bytes": 5 * 10**8},
+        # fixed splits: r=0.25 fits half the weights; r=0.5 is faster but peaks above that budget
+        {"system": "magi", "label": "magi H r=0.25", "policy": "H", "ratio": 0.25, "step_ms": 7.0,
+         "peak_alloc_bytes": 4 * 10**8},
+        {"system": "magi", "label": "magi H r=0.5", "policy": "H", "ratio": 0.5, "step_ms": 3.0,
+         "peak_alloc_bytes": 8 * 10**8},
         {"system": "diffusers", "label": "diffusers", "step_ms": 11.0, "peak_alloc_bytes": 5 * 10**8},
     ])
     analysis.finalize(doc)
@@ -175,7 +180,8 @@ def test_analysis_ideal_ratio_and_targets() -> None:
     peak = t[("peak at ratio 0 <= 2 largest units + activations", "m 2048 tok, magi H r=0")]
     assert peak["limit"] == 2 * 10**8 + 3 * 10**8 and peak["status"] == "missed"
     assert t[("peak at ratio 0 below diffusers", "m 2048 tok, magi H r=0")]["status"] == "missed"
-    assert t[("half budget <= 1.03x best hand-picked split", "m 2048 tok, magi H budget=0.5W")]["status"] == "met"
+    split = t[("half budget <= 1.03x best hand-picked split", "m 2048 tok, magi H budget=0.5W")]
+    assert split["status"] == "met" and split["value"] == pytest.approx(5.0 / 7.0), split
     speed = t[("half budget >= 1.8x faster than diffusers", "m 2048 tok, magi H budget=0.5W")]
     assert speed["value"] == pytest.approx(2.2) and speed["status"] == "met"
     assert t[("host overhead <= 30 us/unit/step", "m 2048 tok (worst config)")]["missed_by"] == pytest.approx(1 / 3)
