@@ -45,7 +45,8 @@ def _env_bool(name: str) -> bool | None:
     raise ConfigError(f"{name}={raw!r} is not a boolean; use 1 or 0")
 
 
-def _env_int(name: str, minimum: int) -> int | None:
+def env_int(name: str, minimum: int) -> int | None:
+    """Integer variable ``name`` (None when unset or blank); a non-integer or one below ``minimum`` raises."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return None
@@ -105,7 +106,7 @@ class HostOptions:
         from magi_core.host.topology import resolve_ep_size
 
         skip = self.skip_shm if self.skip_shm is not None else bool(_env_bool(ENV_SKIP_SHM))
-        conc = self.pin_concurrency if self.pin_concurrency is not None else _env_int(ENV_PIN_CONCURRENCY, 1)
+        conc = self.pin_concurrency if self.pin_concurrency is not None else env_int(ENV_PIN_CONCURRENCY, 1)
         budget = self.pin_budget_bytes if self.pin_budget_bytes is not None else _env_gib(ENV_PIN_BUDGET_GB)
         shm_dir = self.shm_dir or os.environ.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR
         resolved = replace(

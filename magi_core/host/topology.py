@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from magi_core.errors import ConfigError
+from magi_core.host.config import env_int
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,8 @@ def resolve_ep_size(explicit: int | None = None) -> int:
             raise ConfigError(f"ep_size={explicit}: must be >= 1")
         return int(explicit)
     for name in (ENV_EP_SIZE, *LAUNCHER_EP_VARS):
-        raw = os.environ.get(name, "").strip()
-        if raw:
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not an integer; set the expert-parallel size, e.g. 8") from None
-            if value < 1:
-                raise ConfigError(f"{name}={value}: the expert-parallel size must be >= 1")
+        value = env_int(name, minimum=1)
+        if value is not None:
             return value
     return 1
 
