@@ -10,7 +10,7 @@ from magi_core.errors import BackendError, ConfigError, HostRegisterError, MagiE
 from magi_core.registry import get_backend, list_backends, use_backend
 
 if TYPE_CHECKING:
-    from magi_core.runtime.api import offload
+    from magi_core.runtime.api import offload, release
     from magi_core.runtime.config import OffloadConfig, Policy
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 #: ``import magi_core`` (the registry, the CLI and backends work without the runtime).
 _LAZY: dict[str, str] = {
     "offload": "magi_core.runtime.api",
+    "release": "magi_core.runtime.api",
     "OffloadConfig": "magi_core.runtime.config",
     "Policy": "magi_core.runtime.config",
 }
@@ -58,5 +59,6 @@ __all__ = [
     "get_backend",
     "list_backends",
     "offload",
+    "release",
     "use_backend",
 ]

@@ -1,0 +1,202 @@
+"""Where the offload executor's host time goes, per unit and per step, on the active backend.
+
+    python benchmarks/host_overhead.py --out benchmarks/results/host_overhead.json [--model mlp|transformer]
+
+Measures, for one model and token count, host time of one call issued onto an idle device (synchronised
+before and after, so the call never blocks on a full launch queue):
+
+- the whole model compiled resident with Inductor (the reference the bench subtracts);
+- magi-core at ratio 1 (nothing streamed) and ratio 0 (everything streamed), full call;
+- the executor's own loop at each ratio, with every unit replaced by a cached result (no kernels);
+- each unit's compiled callable alone, and the innermost Inductor callable under it when it can be found
+  (the difference is the wrapper layers Dynamo/AOT put around a compiled graph);
+- a cProfile of ten ratio-1 calls (top functions by own time).
+
+Writes JSON with hardware, versions and date. Diagnostics only: no target is asserted here (the bench's
+analysis reports the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import platform
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import magi_core
+from magi_core import get_backend
+from magi_core.bench.workloads import MLPShape, mlp_workload, transformer_workload
+from magi_core.models import TransformerSpec
+from magi_core.runtime.compile_backend import live_runtimes
+from magi_core.runtime.config import OffloadConfig
+
+
+def host_us(fn: Callable[[], Any], sync: Callable[[], None], calls: int = 20) -> float:
+    """Median host time (us) of ``fn`` called on an idle device."""
+    times = []
+    for _ in range(calls):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    sync()
+    return statistics.median(times)
+
+
+def innermost(fn: Any, depth: int = 0) -> Any | None:
+    """The innermost Inductor output object (has ``current_callable``) reachable through closures, or None."""
+    if depth > 10:
+        return None
+    if hasattr(fn, "current_callable") and type(fn).__name__ == "CompiledFxGraph":
+        return fn
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            continue
+        if v is not fn and (callable(v) or hasattr(v, "current_callable")):
+            found = innermost(v, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def unit_args(ex: Any, x: torch.Tensor, model_call: Callable[[], Any]) -> list[list[Any]]:
+    """The argument lists of every unit in one real call (captured by wrapping the unit callables)."""
+    captured: list[list[Any]] = [[] for _ in ex.fns]
+    orig = list(ex.fns)
+
+    def wrap(u: int, f: Callable[..., Any]) -> Callable[..., Any]:
+        def g(*a: Any) -> Any:
+            captured[u] = list(a)
+            return f(*a)
+
+        return g
+
+    ex.fns = [wrap(u, f) for u, f in enumerate(orig)]
+    model_call()
+    ex.fns = orig
+    return captured
+
+
+def loop_only_us(ex: Any, call: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Host us of one call whose units return cached results (the executor's own per-step work)."""
+    orig = list(ex.fns)
+    cache: dict[int, Any] = {}
+
+    def mk(u: int, f: Callable[..., Any]) -> Callable[..., Any]:
+        def g(*a: Any) -> Any:
+            if u not in cache:
+                cache[u] = f(*a)
+            return cache[u]
+
+        return g
+
+    ex.fns = [mk(u, f) for u, f in enumerate(orig)]
+    try:
+        call()
+        return host_us(call, sync)
+    finally:
+        ex.fns = orig
+
+
+def main() -> int:
+    """Run the measurements and write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    ap.add_argument("--tokens", type=int, default=None, help="default 2048 on a device, 16 on cpu")
+    ap.add_argument("--layers", type=int, default=None, help="default 24 (mlp) / 8 (transformer) on a device")
+    ap.add_argument("--hidden", type=int, default=None, help="default 4096 on a device, 64 on cpu")
+    ap.add_argument("--out", default=None, help="JSON path (printed when omitted)")
+    args = ap.parse_args()
+
+    be = get_backend()
+    dm = be.device_module
+    device = be.device()
+    accel = be.is_accelerator
+    hidden = args.hidden or (4096 if accel else 64)
+    tokens = args.tokens or (2048 if accel else 16)
+    dtype = torch.bfloat16 if accel else torch.float32
+    if args.model == "mlp":
+        wl = mlp_workload(MLPShape(hidden=hidden, layers=args.layers or 24, ffn_mult=4), dtype)
+    else:
+        wl = transformer_workload(TransformerSpec(layers=args.layers or 8, hidden=hidden, heads=32 if accel else 4,
+                                                  ffn_mult=3.5, dtype=dtype))
+    wl.materialize_base()
+    x = wl.make_input(tokens, device)
+    sync = dm.synchronize
+    res: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "hardware": dm.get_device_name() if accel and hasattr(dm, "get_device_name") else platform.processor(),
+        "backend": be.name, "torch": torch.__version__, "python": platform.python_version(),
+        "magi_core": magi_core.__version__, "model": args.model, "tokens": tokens, "hidden": hidden,
+    }
+    with torch.no_grad():
+        torch._dynamo.reset()
+        resident = torch.compile(wl.fresh().to(device), dynamic=False)
+        for _ in range(3):
+            resident(x)
+        res["resident_compiled_call_us"] = host_us(lambda: resident(x), sync)
+        del resident
+        for ratio in (1.0, 0.0):
+            torch._dynamo.reset()
+            m = magi_core.offload(wl.fresh(), OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="auto"))
+            for _ in range(4):
+                m(x)
+            ex = live_runtimes()[-1].executor
+            key = f"ratio{ratio:g}"
+            res["units"] = ex.n_units
+            res[f"{key}_call_us"] = host_us(lambda m=m: m(x), sync)
+            res[f"{key}_loop_only_us"] = loop_only_us(ex, lambda m=m: m(x), sync)
+            if ratio == 1.0:
+                per_unit = []
+                for u, a in enumerate(unit_args(ex, x, lambda m=m: m(x))):
+                    f = ex.fns[u]
+                    row = {"unit": u, "callable_us": host_us(lambda f=f, a=a: f(*a), sync)}
+                    inner = innermost(f)
+                    if inner is not None:
+                        row["inductor_call_us"] = host_us(lambda inner=inner, a=a: inner(list(a)), sync)
+                    per_unit.append(row)
+                res["per_unit"] = per_unit
+                prof = cProfile.Profile()
+                sync()
+                prof.enable()
+                for _ in range(10):
+                    m(x)
+                prof.disable()
+                sync()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+                res["cprofile_ratio1_top"] = buf.getvalue().splitlines()
+            magi_core.release(m)
+            del m, ex
+    n = res["units"]
+    res["overhead_us_per_unit_ratio1"] = (res["ratio1_call_us"] - res["resident_compiled_call_us"]) / n
+    res["loop_us_per_unit"] = {k: res[f"{k}_loop_only_us"] / n for k in ("ratio1", "ratio0")}
+    if res.get("per_unit"):
+        c = [r["callable_us"] for r in res["per_unit"]]
+        i = [r["inductor_call_us"] for r in res["per_unit"] if "inductor_call_us" in r]
+        res["unit_callable_us_median"] = statistics.median(c)
+        if i:
+            res["unit_inductor_call_us_median"] = statistics.median(i)
+    text = json.dumps(res, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    summary = {k: v for k, v in res.items() if k not in ("per_unit", "cprofile_ratio1_top")}
+    print(json.dumps(summary, indent=1))
+    print("\n".join(res.get("cprofile_ratio1_top", [])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
