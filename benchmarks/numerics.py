@@ -64,12 +64,12 @@ def main() -> int:
 
     with torch.no_grad():
         m32 = build_transformer(spec).float().to(device)
-        keep("fp32_eager", lambda: m32(xd.float()), warm=0)
+        keep("fp32_eager", lambda m32=m32: m32(xd.float()), warm=0)
         del m32
         gc.collect()
         dm.empty_cache()
         m = build_transformer(spec).to(device)
-        keep("eager", lambda: m(xd), warm=0)
+        keep("eager", lambda m=m: m(xd), warm=0)
         for emulate in (False, True):
             torch._dynamo.reset()
             with like_with_like("inductor") if emulate else torch.autograd.grad_mode.no_grad():
