@@ -6,10 +6,12 @@ Measures, for one model and token count, host time of one call issued onto an id
 before and after, so the call never blocks on a full launch queue):
 
 - the whole model compiled resident with Inductor (the reference the bench subtracts);
-- magi-core at ratio 1 (nothing streamed) and ratio 0 (everything streamed), full call;
+- magi-core at ratio 1 (nothing streamed; with direct and with wrapped unit calls) and ratio 0 (everything
+  streamed), full call;
 - the executor's own loop at each ratio, with every unit replaced by a cached result (no kernels);
-- each unit's compiled callable alone, and the innermost Inductor callable under it when it can be found
-  (the difference is the wrapper layers Dynamo/AOT put around a compiled graph);
+- each unit's installed callable alone (direct Inductor code, or the wrapped compiled function), and the
+  innermost Inductor callable under it when it can be found (for wrapped units the difference is the
+  wrapper layers Dynamo/AOT put around a compiled graph);
 - a cProfile of ten ratio-1 calls (top functions by own time).
 
 Writes JSON with hardware, versions and date. Diagnostics only: no target is asserted here (the bench's
@@ -76,9 +78,9 @@ def unit_args(ex: Any, x: torch.Tensor, model_call: Callable[[], Any]) -> list[l
     orig = list(ex.fns)
 
     def wrap(u: int, f: Callable[..., Any]) -> Callable[..., Any]:
-        def g(*a: Any) -> Any:
+        def g(a: list[Any]) -> Any:
             captured[u] = list(a)
-            return f(*a)
+            return f(a)
 
         return g
 
@@ -94,9 +96,9 @@ def loop_only_us(ex: Any, call: Callable[[], Any], sync: Callable[[], None]) -> 
     cache: dict[int, Any] = {}
 
     def mk(u: int, f: Callable[..., Any]) -> Callable[..., Any]:
-        def g(*a: Any) -> Any:
+        def g(a: list[Any]) -> Any:
             if u not in cache:
-                cache[u] = f(*a)
+                cache[u] = f(a)
             return cache[u]
 
         return g
@@ -147,22 +149,25 @@ def main() -> int:
             resident(x)
         res["resident_compiled_call_us"] = host_us(lambda r=resident: r(x), sync)
         del resident
-        for ratio in (1.0, 0.0):
+        for ratio, direct in ((1.0, True), (1.0, False), (0.0, True)):
             torch._dynamo.reset()
-            m = magi_core.offload(wl.fresh(), OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="auto"))
+            cfg = OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="auto", direct_unit_calls=direct)
+            m = magi_core.offload(wl.fresh(), cfg)
             for _ in range(4):
                 m(x)
             ex = live_runtimes()[-1].executor
-            key = f"ratio{ratio:g}"
+            key = f"ratio{ratio:g}" + ("" if direct else "_wrapped")
             res["units"] = ex.n_units
+            res[f"{key}_direct_units"] = sum(bool(d) for d in ex.direct_units)
             res[f"{key}_call_us"] = host_us(lambda m=m: m(x), sync)
             res[f"{key}_loop_only_us"] = loop_only_us(ex, lambda m=m: m(x), sync)
-            if ratio == 1.0:
+            if ratio == 1.0 and direct:
                 per_unit = []
                 for u, a in enumerate(unit_args(ex, x, lambda m=m: m(x))):
                     f = ex.fns[u]
-                    row = {"unit": u, "callable_us": host_us(lambda f=f, a=a: f(*a), sync)}
-                    inner = innermost(f)
+                    row = {"unit": u, "callable_us": host_us(lambda f=f, a=a: f(list(a)), sync),
+                           "direct": ex.direct_units[u]}
+                    inner = f if ex.direct_units[u] else innermost(f)
                     if inner is not None:
                         row["inductor_call_us"] = host_us(lambda inner=inner, a=a: inner(list(a)), sync)
                     per_unit.append(row)
@@ -180,8 +185,9 @@ def main() -> int:
             magi_core.release(m)
             del m, ex
     n = res["units"]
-    res["overhead_us_per_unit_ratio1"] = (res["ratio1_call_us"] - res["resident_compiled_call_us"]) / n
-    res["loop_us_per_unit"] = {k: res[f"{k}_loop_only_us"] / n for k in ("ratio1", "ratio0")}
+    for key in ("ratio1", "ratio1_wrapped"):
+        res[f"overhead_us_per_unit_{key}"] = (res[f"{key}_call_us"] - res["resident_compiled_call_us"]) / n
+    res["loop_us_per_unit"] = {k: res[f"{k}_loop_only_us"] / n for k in ("ratio1", "ratio1_wrapped", "ratio0")}
     if res.get("per_unit"):
         c = [r["callable_us"] for r in res["per_unit"]]
         i = [r["inductor_call_us"] for r in res["per_unit"] if "inductor_call_us" in r]

@@ -57,6 +57,13 @@ class Backend:
         if self._range_pop is not None and not torch.compiler.is_compiling():
             self._range_pop()
 
+    def range_fns(self) -> tuple[Callable[[str], Any], Callable[[], Any]]:
+        """The backend's push / pop callables themselves (no-ops without them), for hot loops outside compiled code."""
+        push, pop = self._range_push, self._range_pop
+        if push is None or pop is None:
+            return _no_push, _no_pop
+        return push, pop
+
     @contextlib.contextmanager
     def range(self, name: str) -> Iterator[None]:
         """Context manager around :meth:`range_push` / :meth:`range_pop`."""
@@ -70,3 +77,11 @@ class Backend:
         """Tell the caching allocator that ``stream`` uses ``tensor`` (no-op for host tensors)."""
         if tensor.device.type == self.device_type and self.is_accelerator:
             tensor.record_stream(stream)
+
+
+def _no_push(name: str) -> None:
+    """Range push of a backend without profiler ranges."""
+
+
+def _no_pop() -> None:
+    """Range pop of a backend without profiler ranges."""

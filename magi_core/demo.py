@@ -1,23 +1,28 @@
 """``magi demo``: a synthetic transformer run resident, then offloaded with each policy and residency ratio.
 
 Prints one table row per run: the compiler that produced it, step time, the plan's predicted step time, peak
-device memory, bytes streamed per step, achieved copy rate (bytes streamed / step time) and the norm-wise relative
-error (||out - ref|| / ||ref||) against the resident run. Every run gets the same device input
-(offloaded runs through :func:`~magi_core.runtime.api.compile_offloaded`), so no row pays for an input copy.
+device memory, bytes streamed per step, achieved copy rate (bytes streamed / step time), and two norm-wise
+relative errors (||out - ref|| / ||ref||): against the resident run, and against a float32 reference.
+Every run gets the same device input (offloaded runs through
+:func:`~magi_core.runtime.api.compile_offloaded`), so no row pays for an input copy. Runs use Inductor's
+default settings, as a user's would.
 
-Like is compared with like: with Inductor units the resident reference is the whole model compiled with
-Inductor, and every run (reference included) compiles with ``emulate_precision_casts``, so low-precision
-results are rounded where the model's code casts them, not wherever a fused kernel happens to end. Without
-it, Inductor keeps fused bf16 intermediates in fp32, so compiling the same model as one graph or as units
-(different fusion boundaries) differs by ~1e-2 in bf16 on a deep model (measured 1.4e-2 on the CPU backend,
-8 layers, where with the flag the offloaded units matched the resident graph bit for bit). On the H200 the
-flag did not close the gap (max abs diff / max abs ref 2.2e-2 in bf16 on 16 layers, for every policy and
-ratio alike), so the error column is norm-wise, which does not single out one element's rounding.
+The pass/fail gate. In float32, every run must match the resident run within 1e-5. In a low-precision dtype
+two correct runs do not agree to that: each rounds differently (a compiled graph keeps fused intermediates
+in float32, per-unit compiles round at unit boundaries), and on a deep random model the differences grow
+layer by layer: on the H200, 16 layers of bf16, the resident eager run is 1.8e-2 from float32, the
+resident Inductor graph 1.1e-2, the offloaded Inductor units 1.3e-2, and any two of them 1.5e-2 to 2.1e-2
+apart (``benchmarks/numerics.py``, results in ``benchmarks/results/``). So in low precision the gate asks
+that offloading cost no accuracy: every offloaded run must be within :data:`LOW_PRECISION_SLACK` of the
+float32-reference error of the model run eagerly in its own dtype. Both references are computed block by
+block on the device (one block's weights at a time), so they fit wherever the offloaded runs do; eager
+block by block runs the same kernels as eager on the whole model.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import logging
 import time
@@ -28,9 +33,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from magi_core.models import TransformerSpec, build_transformer, example_input
+from magi_core.models import SyntheticTransformer, TransformerSpec, build_transformer, example_input
 from magi_core.registry import get_backend
-from magi_core.runtime.unit_compile import like_with_like
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,10 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 #: Defaults by backend kind: (layers, hidden, heads, tokens, dtype).
 CPU_DEFAULTS = (4, 256, 4, 64, "float32")
 ACCEL_DEFAULTS = (16, 4096, 32, 4096, "bfloat16")
+#: float32 runs must match the resident run this closely (norm-wise relative error).
+FP32_TOL = 1e-5
+#: Low-precision runs may be at most this factor further from float32 than the eager run in their dtype.
+LOW_PRECISION_SLACK = 1.1
 
 
 @dataclass
@@ -53,6 +61,9 @@ class Row:
     rel_err: float
     compiler: str = "eager"
     predicted_ms: float | None = None
+    err_fp32: float | None = None
+    """Norm-wise relative error against the float32 reference (None in float32: that is ``rel_err``)."""
+    note: str = ""
 
     @property
     def copy_gbps(self) -> float:
@@ -101,8 +112,59 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(out.float() - ref32) / torch.linalg.vector_norm(ref32).clamp_min(1e-12))
 
 
+@dataclass
+class References:
+    """Outputs the runs are compared with: the model eagerly in its dtype and in float32 (None in float32)."""
+
+    eager: torch.Tensor
+    fp32: torch.Tensor | None
+
+    @property
+    def eager_err_fp32(self) -> float | None:
+        """How far the eager run in the model's dtype is from float32: the dtype's own error on this model."""
+        return None if self.fp32 is None else _rel_err(self.eager, self.fp32)
+
+
+def blockwise(model: SyntheticTransformer, x: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """``model(x)`` run eagerly on ``device`` one block at a time (weights cast to ``dtype`` when given).
+
+    Needs one block's weights on the device, not the model's; returns the output on the host.
+    """
+    h = x.to(device) if dtype is None else x.to(device=device, dtype=dtype)
+    for part in [*model.blocks, model.norm]:
+        dev = copy.deepcopy(part)
+        dev = dev.to(device) if dtype is None else dev.to(device=device, dtype=dtype)
+        h = dev(h)
+        del dev
+    return h.cpu()
+
+
+def references(model: SyntheticTransformer, x: torch.Tensor, device: torch.device) -> References:
+    """The eager and float32 references of ``model`` on ``x``, computed block by block on ``device``."""
+    eager = blockwise(model, x, device, None)
+    fp32 = blockwise(model, x, device, torch.float32) if x.dtype != torch.float32 else None
+    return References(eager, fp32)
+
+
+def _fits(fn: Callable[[], Any]) -> tuple[bool, str]:
+    """Run ``fn``; ``(False, why)`` when the device runs out of memory."""
+    try:
+        fn()
+        return True, ""
+    except torch.OutOfMemoryError as exc:
+        return False, f"does not fit in device memory ({str(exc).splitlines()[0][:80]})"
+
+
 def run_demo(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[Row]:
     """Run every configuration and return the table rows (printing progress through ``emit``)."""
+    rows, _ = run_demo_with_references(args, emit)
+    return rows
+
+
+def run_demo_with_references(
+    args: argparse.Namespace, emit: Callable[[str], None] = print
+) -> tuple[list[Row], References]:
+    """Run every configuration; return the table rows and the references they were compared with."""
     from magi_core.host.materialize import materialize
     from magi_core.runtime.api import compile_offloaded
     from magi_core.runtime.compile_backend import live_runtimes
@@ -120,28 +182,48 @@ def run_demo(args: argparse.Namespace, emit: Callable[[str], None] = print) -> l
     x = example_input(spec, tokens)
     compiler = OffloadConfig(unit_compiler=args.unit_compiler).resolved_unit_compiler(backend.is_accelerator)
     rows: list[Row] = []
-    bar = tqdm(total=1 + len(policies) * len(ratios), desc="magi demo", disable=args.no_progress, leave=False)
+    bar = tqdm(total=2 + len(policies) * len(ratios), desc="magi demo", disable=args.no_progress, leave=False)
 
     def sync() -> None:
         dm.synchronize()
 
-    with torch.no_grad(), like_with_like(compiler):
+    def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float | None]:
+        host = out.detach().cpu()
+        return _rel_err(host, ref), None if refs.fp32 is None else _rel_err(host, refs.fp32)
+
+    with torch.no_grad():
+        bar.set_postfix_str("references")
+        refs = references(model, x, device)
+        bar.update(1)
+        xd = x.to(device)
         # resident baseline: a device copy of the model, compiled with the units' compiler
         torch._dynamo.reset()
-        resident = build_transformer(spec).to(device)
-        xd = x.to(device)
-        run: Callable[..., Any] = torch.compile(resident) if compiler == "inductor" else resident
+        ref = refs.eager
+        result: dict[str, Any] = {}
 
-        def step_resident(run: Callable[..., Any] = run, xd: torch.Tensor = xd) -> Any:
-            return run(xd)
+        def resident_run(result: dict[str, Any] = result) -> None:
+            resident = build_transformer(spec).to(device)
+            run: Callable[..., Any] = torch.compile(resident) if compiler == "inductor" else resident
 
-        dm.reset_peak_memory_stats()
-        ms, ref = _time(step_resident, args.steps, sync)
-        rows.append(Row("resident", ms, int(dm.max_memory_allocated()), 0, 0.0, compiler))
-        ref = ref.detach().clone()
-        del run, resident, step_resident  # the closure's defaults hold the resident model too
+            def step_resident(run: Callable[..., Any] = run, xd: torch.Tensor = xd) -> Any:
+                return run(xd)
+
+            dm.reset_peak_memory_stats()
+            result["ms"], out = _time(step_resident, args.steps, sync)
+            result["out"] = out.detach().cpu()
+            result["peak"] = int(dm.max_memory_allocated())
+
+        fits, why = _fits(resident_run)  # fills ``result``
         gc.collect()
         dm.empty_cache()
+        if fits:
+            ref = result["out"]
+            rows.append(Row("resident", result["ms"], result["peak"], 0, 0.0, compiler,
+                            err_fp32=None if refs.fp32 is None else _rel_err(ref, refs.fp32)))
+        else:
+            emit(f"resident run skipped: the model {why}; errors are against the eager reference")
+            rows.append(Row("resident", float("nan"), 0, 0, float("nan"), compiler, note="skipped: " + why))
+        result.clear()
         bar.update(1)
 
         host = materialize(model)
@@ -165,8 +247,9 @@ def run_demo(args: argparse.Namespace, emit: Callable[[str], None] = print) -> l
                     ex = live_runtimes()[-1].executor
                     streamed = ex.actions.streamed_bytes if ex.actions is not None else 0
                     predicted = ex.plan.predicted_step_ms if ex.plan is not None else None
+                    err, err32 = errors(out, ref)
                     rows.append(Row(f"{policy} r={ratio:g}", ms, int(dm.max_memory_allocated()), streamed,
-                                    _rel_err(out, ref), compiler, predicted))
+                                    err, compiler, predicted, err32))
                     del f, ex, out, step_offloaded  # free this run's resident weights before the next
                     bar.update(1)
         finally:
@@ -174,15 +257,34 @@ def run_demo(args: argparse.Namespace, emit: Callable[[str], None] = print) -> l
             gc.collect()
             host.release(restore=True)
             bar.close()
-    return rows
+    return rows, refs
+
+
+def check(rows: list[Row], refs: References, dtype: torch.dtype) -> tuple[bool, str]:
+    """The demo's gate (see the module docstring): ``(passed, one line saying why)``."""
+    offloaded = [r for r in rows if r.name != "resident"]
+    if dtype == torch.float32 or refs.eager_err_fp32 is None:
+        worst = max((r.rel_err for r in offloaded), default=0.0)
+        ok = worst <= FP32_TOL
+        return ok, f"max relative error vs the resident run {worst:.2e} ({'<=' if ok else '>'} {FP32_TOL:.0e})"
+    bound = LOW_PRECISION_SLACK * refs.eager_err_fp32
+    worst = max((r.err_fp32 or 0.0 for r in offloaded), default=0.0)
+    ok = worst <= bound
+    return ok, (f"max error vs float32 of an offloaded run {worst:.2e} {'<=' if ok else '>'} {bound:.2e} = "
+                f"{LOW_PRECISION_SLACK}x that of eager {str(dtype).removeprefix('torch.')} "
+                f"({refs.eager_err_fp32:.2e}): offloading costs no accuracy")
 
 
 def format_table(rows: list[Row]) -> str:
     """The results as an aligned text table."""
-    head = ("run", "compiler", "step ms", "planned ms", "peak dev MB", "streamed MB/step", "copy GB/s", "rel err")
+    head = ("run", "compiler", "step ms", "planned ms", "peak dev MB", "streamed MB/step", "copy GB/s",
+            "err vs resident", "err vs fp32")
     body = [
-        (r.name, r.compiler, f"{r.step_ms:.2f}", "-" if r.predicted_ms is None else f"{r.predicted_ms:.2f}",
-         f"{r.peak_bytes / 1e6:.1f}", f"{r.streamed_bytes / 1e6:.2f}", f"{r.copy_gbps:.2f}", f"{r.rel_err:.2e}")
+        (r.name, r.compiler, "-" if r.note else f"{r.step_ms:.2f}",
+         "-" if r.predicted_ms is None else f"{r.predicted_ms:.2f}",
+         "-" if r.note else f"{r.peak_bytes / 1e6:.1f}", f"{r.streamed_bytes / 1e6:.2f}",
+         "-" if r.note else f"{r.copy_gbps:.2f}", r.note or f"{r.rel_err:.2e}",
+         "-" if r.err_fp32 is None else f"{r.err_fp32:.2e}")
         for r in rows
     ]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
@@ -196,14 +298,14 @@ def main(args: argparse.Namespace) -> int:
     """Run the demo and print the table; returns the exit status."""
     backend = get_backend()
     spec, _ = _spec(args, backend.is_accelerator)
-    rows = run_demo(args)
+    rows, refs = run_demo_with_references(args)
     print(format_table(rows))
+    if refs.eager_err_fp32 is not None:
+        print(f"reference: float32 eager on the same {str(spec.dtype).removeprefix('torch.')} weights; eager "
+              f"{str(spec.dtype).removeprefix('torch.')} is {refs.eager_err_fp32:.2e} from it")
     if not backend.is_accelerator:
         print("note: the cpu backend runs the same code path synchronously on the host; step times, peak device "
               "memory (reported as 0) and copy rates are not meaningful there.")
-    worst = max((r.rel_err for r in rows), default=0.0)
-    tol = 1e-5 if spec.dtype == torch.float32 else 1e-2
-    if worst > tol:
-        print(f"FAILED: relative error {worst:.2e} exceeds {tol:.0e}")
-        return 1
-    return 0
+    ok, why = check(rows, refs, spec.dtype)
+    print(("PASSED: " if ok else "FAILED: ") + why)
+    return 0 if ok else 1

@@ -181,6 +181,24 @@ def _make_manager(name: str) -> pluggy.PluginManager:
     return pm
 
 
+def _direct(caller: Any, argnames: tuple[str, ...], dispatch: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The single implementation of a hot per-step hook, called directly (``None`` when not implemented).
+
+    Keeps ``dispatch`` (through pluggy) when hook tracing is on, or the hook has wrappers, several
+    implementations or one taking other arguments than ``argnames`` positionally, so ``MAGI_TRACE_HOOKS``
+    still sees every call and pluggy's argument matching still applies.
+    """
+    if caller is None:
+        return None
+    impls = caller.get_hookimpls()
+    if tracing_enabled() or len(impls) != 1:
+        return dispatch
+    impl = impls[0]
+    if impl.hookwrapper or getattr(impl, "wrapper", False) or tuple(impl.argnames) != argnames:
+        return dispatch
+    return impls[0].function
+
+
 def _load(rec: BackendRecord, ep: importlib_metadata.EntryPoint) -> None:
     """Import the entry point and register it in its own plugin manager; errors go to ``rec.load_error``."""
     try:
@@ -448,12 +466,13 @@ class Registry:
                 f"backend {rec.name!r} ({rec.package}): its device module {getattr(module, '__name__', module)!r} "
                 f"lacks {', '.join(missing)}; magi_device_module must return a torch-style device module"
             )
-        push = rec.callers.get("magi_range_push")
-        pop = rec.callers.get("magi_range_pop")
+        push: Any = rec.callers.get("magi_range_push")
+        pop: Any = rec.callers.get("magi_range_pop")
         register = rec.callers["magi_host_register"]
         unregister = rec.callers["magi_host_unregister"]
-        range_push: Callable[[str], Any] | None = (lambda name: push(name=name)) if push is not None else None
-        range_pop: Callable[[], Any] | None = (lambda: pop()) if pop is not None else None
+        # called once per unit per step: bound to the backend's function itself, not dispatched through pluggy
+        range_push: Callable[[str], Any] | None = _direct(push, ("name",), lambda name: push(name=name))
+        range_pop: Callable[[], Any] | None = _direct(pop, (), lambda: pop())
         return Backend(
             name=rec.name,
             package=rec.package,

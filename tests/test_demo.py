@@ -7,6 +7,7 @@ import argparse
 import torch
 
 from magi_core import demo
+from magi_core.models import TransformerSpec, build_transformer, example_input
 from magi_core.cpu_backend import registered_ranges
 
 
@@ -44,12 +45,44 @@ def test_rows_report_streamed_bytes_and_errors():
     torch._dynamo.reset()
 
 
-def test_inductor_rows_compare_like_with_like():
-    # bf16 with Inductor units: the reference is Inductor-compiled too, both rounding where the model casts
+def test_inductor_units_in_bf16_pass_the_float32_gate():
+    # bf16 with Inductor units: errors are judged against float32, not against another bf16 rounding
     args = parse("--layers", "4", "--hidden", "64", "--heads", "2", "--tokens", "16", "--steps", "1", "--dtype", "bf16",
                  "--unit-compiler", "inductor", "--no-progress", "--policies", "BASE", "--ratios", "0")
-    rows = demo.run_demo(args, emit=lambda s: None)
+    rows, refs = demo.run_demo_with_references(args, emit=lambda s: None)
     assert [(r.name, r.compiler) for r in rows] == [("resident", "inductor"), ("BASE r=0", "inductor")]
-    assert rows[1].rel_err <= 1e-3, "only fusion boundaries differ: the offloaded units should round like the graph"
+    assert refs.fp32 is not None and refs.eager_err_fp32 is not None and refs.eager_err_fp32 > 0
+    assert all(r.err_fp32 is not None and r.err_fp32 > 0 for r in rows)
+    ok, why = demo.check(rows, refs, torch.bfloat16)
+    assert ok, why
     assert "inductor" in demo.format_table(rows).splitlines()[2]
     torch._dynamo.reset()
+
+
+def test_blockwise_eager_reference_equals_the_whole_model():
+    spec = TransformerSpec(layers=3, hidden=32, heads=2, dtype=torch.bfloat16)
+    model = build_transformer(spec)
+    x = example_input(spec, tokens=8)
+    with torch.no_grad():
+        whole = model(x)
+        refs = demo.references(model, x, torch.device("cpu"))
+    assert torch.equal(refs.eager, whole)  # same kernels, one block's weights at a time
+    assert refs.fp32 is not None and refs.fp32.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the model itself is not cast
+
+
+def _row(name: str, rel: float, err32: float | None) -> demo.Row:
+    return demo.Row(name, 1.0, 0, 0, rel, "inductor", err_fp32=err32)
+
+
+def test_gate_fails_an_offloaded_run_less_accurate_than_eager_in_its_dtype():
+    refs = demo.References(eager=torch.ones(4), fp32=torch.ones(4) * 1.01)  # eager is ~9.9e-3 from float32
+    bound = demo.LOW_PRECISION_SLACK * refs.eager_err_fp32
+    good = [_row("resident", 0.0, 5e-3), _row("BASE r=0", 2e-2, bound * 0.99)]
+    assert demo.check(good, refs, torch.bfloat16)[0]
+    bad = [_row("resident", 0.0, 5e-3), _row("BASE r=0", 1e-3, bound * 1.01)]
+    ok, why = demo.check(bad, refs, torch.bfloat16)
+    assert not ok and "FAILED" not in why and "float32" in why
+    # float32 runs are held to the resident run itself
+    assert demo.check([_row("BASE r=0", 2e-5, None)], demo.References(torch.ones(1), None), torch.float32)[0] is False
+    assert demo.check([_row("BASE r=0", 1e-6, None)], demo.References(torch.ones(1), None), torch.float32)[0] is True

@@ -73,6 +73,25 @@ def test_inductor_units_match(backend):
     assert _rel(out, ref) <= 1e-2
 
 
+def test_direct_unit_calls_on_the_device_match_wrapped_calls(backend):
+    # the units' Inductor code called without Dynamo / AOT wrappers: same bits, every unit direct
+    spec = TransformerSpec(layers=3, hidden=256, heads=4, dtype=torch.bfloat16)
+    model = build_transformer(spec)
+    xd = example_input(spec, tokens=128).to(backend.device())
+    outs, kinds = {}, {}
+    with torch.no_grad():
+        for direct in (True, False):
+            torch._dynamo.reset()
+            f = torch.compile(model, backend="magi_offload", options={
+                "policy": "HEURISTIC", "gpu_resident_weight_ratio": 0.5, "unit_compiler": "inductor",
+                "direct_unit_calls": direct})
+            for _ in range(4):
+                outs[direct] = f(xd)
+            kinds[direct] = list(live_runtimes()[-1].executor.direct_units)
+    assert all(kinds[True]) and not any(kinds[False]), kinds
+    assert torch.equal(outs[True], outs[False])
+
+
 def test_peak_memory_at_ratio_zero_within_two_units_plus_activations(backend):
     dm = backend.device_module
     spec = TransformerSpec(layers=8, hidden=1024, heads=8, dtype=torch.bfloat16)

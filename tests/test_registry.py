@@ -345,3 +345,40 @@ def test_accelerator_with_its_backend_is_selected(tmp_path: Path) -> None:
     assert (out["selected"], out["selected_by"]) == ("fakeacc", "probe")
     assert out["backends"]["fakeacc"]["selected"] is False  # to_dict(selected=...) is the caller's flag
 
+
+
+# -- per-step hooks bound once ------------------------------------------------------------------
+
+class _RangePlugin:
+    """A plugin with one range implementation taking the spec's argument, and one taking none."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    @magi_core.plugin.hookimpl
+    def magi_range_push(self, name: str) -> None:
+        self.names.append(name)
+
+    @magi_core.plugin.hookimpl
+    def magi_range_pop(self) -> None:
+        self.names.append("pop")
+
+
+def test_per_step_hooks_call_the_single_implementation_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from magi_core.registry import _direct, _make_manager
+
+    monkeypatch.delenv(ENV_TRACE, raising=False)
+    pm = _make_manager("t")
+    plugin = _RangePlugin()
+    pm.register(plugin)
+    through_pluggy = lambda name: pm.hook.magi_range_push(name=name)  # noqa: E731
+    push = _direct(pm.hook.magi_range_push, ("name",), through_pluggy)
+    assert push == plugin.magi_range_push  # no pluggy dispatch per unit and step
+    push("unit0")
+    assert plugin.names == ["unit0"]
+    # arguments that differ from the spec's order keep pluggy's matching
+    assert _direct(pm.hook.magi_range_push, ("other",), through_pluggy) is through_pluggy
+    # a traced registry keeps dispatching, so MAGI_TRACE_HOOKS sees every call
+    monkeypatch.setenv(ENV_TRACE, "1")
+    assert _direct(pm.hook.magi_range_push, ("name",), through_pluggy) is through_pluggy
+    assert _direct(None, ("name",), through_pluggy) is None

@@ -62,7 +62,8 @@ def build_runtime(
     place_on_device(gm, device, backend.to_method_aliases, example_inputs=example_inputs)
     split = split_into_units(gm, example_inputs, max_unit_bytes=config.max_unit_bytes)
     executor = OffloadExecutor(
-        split, backend, device, unit_compiler=config.resolved_unit_compiler(backend.is_accelerator)
+        split, backend, device, unit_compiler=config.resolved_unit_compiler(backend.is_accelerator),
+        direct_unit_calls=config.direct_unit_calls,
     )
     runtime = OffloadLifecycle(executor, config)
     logger.info(

@@ -80,6 +80,9 @@ class OffloadConfig:
     ``warmup_calls`` >= 0: calls before the static plan is built (the first runs a simple look-ahead, the
     second profiles). ``max_unit_bytes``: split units whose weights exceed this many bytes (None: no limit).
     ``bandwidth_probe_bytes``: size of the H2D bandwidth probe (None: 1 GiB on accelerators, 16 MiB on CPU).
+    ``direct_unit_calls``: call each Inductor unit's generated code without the Dynamo / AOT wrapper layers
+    (verified per unit on its first call, see :func:`magi_core.runtime.unit_compile.direct_call`); False
+    keeps the wrapped calls (``MAGI_OFFLOAD_DIRECT_UNIT_CALLS=0``).
     """
 
     policy: Policy | str = Policy.HEURISTIC
@@ -92,6 +95,7 @@ class OffloadConfig:
     warmup_calls: int = 2
     max_unit_bytes: int | None = None
     bandwidth_probe_bytes: int | None = None
+    direct_unit_calls: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -130,6 +134,8 @@ class OffloadConfig:
             if value is not None and value <= 0:
                 raise _range(name, value, "> 0 bytes, or None")
             set_(self, name, value)
+        if not isinstance(self.direct_unit_calls, bool):
+            raise _range("direct_unit_calls", self.direct_unit_calls, "True or False")
 
     # -- derived values -----------------------------------------------------------------------------
     def resolved_unit_compiler(self, is_accelerator: bool) -> str:
@@ -214,6 +220,8 @@ _OPTIONAL = {"device_memory_budget_bytes", "max_unit_bytes", "bandwidth_probe_by
 _BYTES = _OPTIONAL
 _INTS = {"lookahead", "warmup_calls"}
 _FLOATS = {"gpu_resident_weight_ratio", "bandwidth_safety_factor", "prefetch_margin_ms"}
+_BOOLS = {"direct_unit_calls"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _SUFFIX = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
@@ -245,6 +253,12 @@ def _parse(name: str, raw: str, source: str | None = None) -> Any:
             return int(text)
         if name in _FLOATS:
             return float(text)
+        if name in _BOOLS:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
     except ValueError as exc:
         raise ConfigError(f"OffloadConfig.{name}: cannot parse {raw!r} from {where}: {exc}") from None
     return text

@@ -33,7 +33,7 @@ from magi_core.runtime.actions import StepActions, build_actions
 from magi_core.runtime.inputs import InputPreparer
 from magi_core.runtime.plan import Plan
 from magi_core.runtime.program import build_program
-from magi_core.runtime.unit_compile import unit_callable
+from magi_core.runtime.unit_compile import UnitFn, unit_callable
 from magi_core.runtime.weights import RESIDENT, CopyEngine, ResidentSet, ResidentStore
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class OffloadExecutor:
         device: torch.device,
         unit_compiler: str = "eager",
         store: ResidentStore | None = None,
+        direct_unit_calls: bool = True,
     ) -> None:
         self.split = split
         self.backend = backend
@@ -97,13 +98,19 @@ class OffloadExecutor:
         #: Recorded on the compute stream just before unit i's launch; the copy stream waits on it.
         self._launch = [dm.Event() for _ in range(self.n_units)]
         self._store = store if store is not None else RESIDENT
-        self.fns: list[Callable[..., Any]] = [
-            unit_callable(u.module, u.attr, unit_compiler, self._installer(u.index)) for u in split.units
+        #: Per unit: True once its Inductor code is called directly, False when wrapped, None before compiling.
+        self.direct_units: list[bool | None] = [None] * len(split.units)
+        #: One boxed callable per unit (takes a fresh list of its arguments, which it may clear).
+        self.fns: list[UnitFn] = [
+            unit_callable(u.module, u.attr, unit_compiler, self._installer(u.index), direct_unit_calls)
+            for u in split.units
         ]
         template: list[Any] = [None] * self.program.n_slots
         for s, value in self.program.constants:
             template[s] = value
         self._template = template
+        #: Resolved once: the executor runs outside compiled regions (Dynamo calls it with tracing disabled).
+        self._ranges = backend.range_fns()
         self._range_names = tuple(f"magi.unit{u.index}:{getattr(u, 'label', '') or u.attr}" for u in split.units)
         self._carry: dict[int, _Carry] = {}
         self.stats = StepStats()
@@ -113,9 +120,10 @@ class OffloadExecutor:
         self._sync_before: tuple[int, ...] = ()
         self._gate: tuple[bool, ...] = ()
 
-    def _installer(self, index: int) -> Callable[[Callable[..., Any]], None]:
-        def install(fn: Callable[..., Any]) -> None:
+    def _installer(self, index: int) -> Callable[[UnitFn, bool], None]:
+        def install(fn: UnitFn, direct: bool) -> None:
             self.fns[index] = fn
+            self.direct_units[index] = direct
 
         return install
 
@@ -230,7 +238,7 @@ class OffloadExecutor:
         record_done = self._record_done
         batches = actions.batches
         release = self.copier.release if self.copier.needs_release else None
-        range_push, range_pop = self.backend.range_push, self.backend.range_pop
+        range_push, range_pop = self._ranges
         names = self._range_names
         last = self.n_units - 1
         for u, lay in enumerate(layouts):
@@ -249,7 +257,7 @@ class OffloadExecutor:
             range_push(names[u])
             if timer is not None:
                 timer.start(u)
-            result = fns[u](*[env[s] for s in lay.arg_slots])
+            result = fns[u]([env[s] for s in lay.arg_slots])
             if timer is not None:
                 timer.stop(u)
             range_pop()

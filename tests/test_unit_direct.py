@@ -1,0 +1,91 @@
+"""Direct calls of Inductor unit code (no Dynamo / AOT wrapper layers): used only where verified, else wrapped."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._inductor.compile_fx import compile_fx
+
+from magi_core.models import TransformerSpec, build_transformer, example_input
+from magi_core.runtime.compile_backend import live_runtimes
+from magi_core.runtime.unit_compile import direct_call, output_code
+
+
+def _run(model: torch.nn.Module, x: torch.Tensor, direct: bool) -> tuple[torch.Tensor, list[bool | None]]:
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="magi_offload",
+                      options={"policy": "BASE", "unit_compiler": "inductor", "direct_unit_calls": direct})
+    with torch.no_grad():
+        outs = [f(x, 1e-5) for _ in range(4)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    return outs[-1], list(live_runtimes()[-1].executor.direct_units)
+
+
+def test_direct_unit_calls_match_the_wrapped_calls_bit_for_bit() -> None:
+    spec = TransformerSpec(layers=2, hidden=32, heads=2)
+    model = build_transformer(spec)
+    x = example_input(spec, tokens=4)
+    fast, kinds = _run(model, x, direct=True)
+    slow, wrapped = _run(model, x, direct=False)
+    assert kinds and all(kinds), kinds  # every unit (lifted eps included) is called directly
+    assert wrapped == [False] * len(kinds)
+    assert torch.equal(fast, slow)
+    with torch.no_grad():
+        torch.testing.assert_close(fast, model(x, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def _compile(fn, *args: torch.Tensor):
+    gm = torch.fx.symbolic_trace(fn)
+    with torch.no_grad():
+        compiled = compile_fx(gm, list(args))
+        return compiled, compiled(*args)
+
+
+def test_single_tensor_and_tuple_outputs_keep_their_structure() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+
+    def one(x, w):
+        return torch.relu(x @ w)
+
+    def two(x, w):
+        return (x @ w, x.sum())
+
+    for fn in (one, two):
+        compiled, expected = _compile(fn, x, w)
+        call = direct_call(compiled, [x, w], expected)
+        assert call is not None, fn.__name__
+        got = call([x, w])
+        assert type(got) is type(expected)
+        if isinstance(expected, torch.Tensor):
+            assert torch.equal(got, expected)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_unit_that_mutates_its_input_keeps_the_wrapped_call() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+
+    def mutates(x, w):
+        x.add_(1.0)
+        return (x @ w,)
+
+    before = x.clone()
+    compiled, expected = _compile(mutates, x, w)
+    assert torch.equal(x, before + 1.0)  # the wrapped call applied the mutation once
+    assert direct_call(compiled, [x, w], expected) is None
+    assert torch.equal(x, before + 1.0)  # and the check did not apply it again
+
+
+def test_wrong_structure_or_no_inductor_code_keeps_the_wrapped_call() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+
+    def two(x, w):
+        return (x @ w, x.sum())
+
+    compiled, expected = _compile(two, x, w)
+    assert output_code(compiled) is not None
+    assert direct_call(compiled, [x, w], (expected[0],)) is None  # fewer outputs than the code returns
+    assert direct_call(compiled, [x, w], (expected[0] + 1, expected[1])) is None  # other values
+    assert direct_call(lambda *a: expected, [x, w], expected) is None  # nothing compiled inside
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert direct_call(compiled, [x, w], expected) is None
