@@ -1,7 +1,10 @@
 """Regenerate docs/BENCHMARKS.md and its PNG plots from benchmark result JSON files.
 
 python benchmarks/report.py [RESULT.json ...] [--md docs/BENCHMARKS.md]
+python benchmarks/report.py --merge MERGED.json PART.json PART.json ...
 Without files it uses every JSON under benchmarks/results/ (accelerator runs first, newest first).
+With --merge, the given documents (parts of one grid run by several processes of one machine) are merged
+into MERGED.json first (magi_core.bench.merge), and the report is written from the result folder.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
+from magi_core.bench.merge import merge
 from magi_core.bench.report import load, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="*", type=Path, help="result JSON files (default benchmarks/results/*.json)")
     parser.add_argument("--md", type=Path, default=ROOT / "docs" / "BENCHMARKS.md", help="Markdown file to write")
     parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG plots (default next to --md)")
+    parser.add_argument("--merge", type=Path, default=None, metavar="MERGED_JSON",
+                        help="merge the given result files into this file, then report on benchmarks/results/")
     args = parser.parse_args(argv)
+    if args.merge is not None:
+        if not args.results:
+            parser.error("--merge needs the result files to merge")
+        merged = merge([json.loads(p.read_text()) for p in args.results])
+        args.merge.write_text(json.dumps(merged, indent=1) + "\n")
+        print(f"wrote {args.merge} ({len(merged['runs'])} runs from {len(args.results)} files)")
+        args.results = []
     paths = args.results or sorted((ROOT / "benchmarks" / "results").glob("*.json"))
     # the results folder also holds other benchmarks' JSON (host bandwidth): keep `magi bench` documents only
     docs = [load(p) for p in paths if args.results or "runs" in json.loads(p.read_text())]

@@ -33,7 +33,6 @@ def _find(group: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
 
 def derive(doc: dict[str, Any]) -> None:
     """Add ideal_ms, ratio_to_ideal, speedup_vs peers, copy_GBps, pinned_over_weights and host overhead to each run."""
-    bw = float(doc["h2d_GBps"]) * 1e9
     for (_, _), group in _groups(ok_runs(doc)).items():
         resident = _find(group, "resident_compiled") or _find(group, "resident_eager")
         peers = {k: r["step_ms"] for k in PEERS if (r := _find(group, k)) is not None}
@@ -47,6 +46,7 @@ def derive(doc: dict[str, Any]) -> None:
                 r["streamed_bytes"] = streamed
                 r["copy_GBps"] = streamed / (r["step_ms"] / 1e3) / 1e9 if r["step_ms"] > 0 else None
             if resident is not None and streamed is not None:
+                bw = float(r.get("h2d_GBps") or doc["h2d_GBps"]) * 1e9  # a merged run keeps its own process's
                 r["ideal_ms"] = max(resident["step_ms"], streamed / bw * 1e3)
                 r["ideal_basis"] = resident["system"]
                 r["ratio_to_ideal"] = r["step_ms"] / r["ideal_ms"]

@@ -104,6 +104,14 @@ def targets_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _bandwidth(doc: dict[str, Any]) -> str:
+    """The run's pinned H2D GB/s, or the range over the processes of a merged document."""
+    parts = [p["h2d_GBps"] for p in doc.get("parts", [])]
+    if len(parts) > 1:
+        return f"{min(parts):.2f} - {max(parts):.2f} ({len(parts)} processes)"
+    return f"{doc['h2d_GBps']:.2f}"
+
+
 def doc_markdown(doc: dict[str, Any], plot: Path | None, md_dir: Path) -> list[str]:
     """The Markdown section of one result document."""
     env = doc["env"]
@@ -115,13 +123,14 @@ def doc_markdown(doc: dict[str, Any], plot: Path | None, md_dir: Path) -> list[s
         "| hardware | backend | torch | magi-core | python | pinned H2D GB/s (same run) |",
         "|---|---|---|---|---|---|",
         f"| {env['hardware']} | {be['name']} ({be['device_type']}, {be['package']} {be['version']}) | {env['torch']} "
-        f"| {env['magi_core']} | {env['python']} | {doc['h2d_GBps']:.2f} |",
+        f"| {env['magi_core']} | {env['python']} | {_bandwidth(doc)} |",
         "",
     ]
     for name, w in doc["workloads"].items():
         shape = ", ".join(f"{k}={v}" for k, v in w["shape"].items())
         lines.append(f"- **{name}**: {human_bytes(w['weight_bytes'])} of {w['dtype']} weights, "
                      f"{len(w['block_bytes'])} blocks ({shape})")
+    lines += [f"- note: {n}" for n in doc.get("notes", [])]
     lines.append("")
     if plot is not None:
         rel = Path(plot).resolve().relative_to(md_dir.resolve()) if _is_under(plot, md_dir) else Path(plot)
