@@ -7,8 +7,8 @@ import argparse
 import torch
 
 from magi_core import demo
-from magi_core.models import TransformerSpec, build_transformer, example_input
 from magi_core.cpu_backend import registered_ranges
+from magi_core.models import TransformerSpec, build_transformer, example_input
 
 
 def parse(*argv: str) -> argparse.Namespace:
