@@ -2,20 +2,20 @@
 
     python benchmarks/host_overhead.py --out benchmarks/results/host_overhead.json [--model mlp|transformer]
 
-Measures, for one model and token count, host time of one call issued onto an idle device (synchronised
-before and after, so the call never blocks on a full launch queue):
+Host time of one call issued onto an idle device (synchronised before and after, so the call never blocks
+on a full launch queue), for one model and token count:
 
-- the whole model compiled resident with Inductor (the reference the bench subtracts);
-- magi-core at ratio 1 (nothing streamed; with direct and with wrapped unit calls) and ratio 0 (everything
-  streamed), full call;
-- the executor's own loop at each ratio, with every unit replaced by a cached result (no kernels);
-- each unit's installed callable alone (direct Inductor code, or the wrapped compiled function), and the
-  innermost Inductor callable under it when it can be found (for wrapped units the difference is the
-  wrapper layers Dynamo/AOT put around a compiled graph);
+- the whole model compiled resident with Inductor, and magi-core at ratio 1 (nothing streamed) with direct
+  and with wrapped unit calls, all alive at once and measured in interleaved rounds (the median of per-round
+  differences is the executor's host overhead over the compiled model, per unit);
+- the executor's own loop at ratio 1, with every unit replaced by a cached result (no kernels);
+- each unit's installed callable alone, and the Inductor code under it;
+- magi-core at ratio 0 (everything streamed): host time per call minus the time the host blocks on its
+  unit-done events (the host-lead limit that keeps allocations bounded), i.e. the host work of a streamed step;
 - a cProfile of ten ratio-1 calls (top functions by own time).
 
 Writes JSON with hardware, versions and date. Diagnostics only: no target is asserted here (the bench's
-analysis reports the target).
+analysis reports the target). Run it alone on the machine: other load on the host skews host timings.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import gc
 import io
 import json
 import platform
@@ -72,7 +73,7 @@ def innermost(fn: Any, depth: int = 0) -> Any | None:
     return None
 
 
-def unit_args(ex: Any, x: torch.Tensor, model_call: Callable[[], Any]) -> list[list[Any]]:
+def unit_args(ex: Any, model_call: Callable[[], Any]) -> list[list[Any]]:
     """The argument lists of every unit in one real call (captured by wrapping the unit callables)."""
     captured: list[list[Any]] = [[] for _ in ex.fns]
     orig = list(ex.fns)
@@ -111,6 +112,60 @@ def loop_only_us(ex: Any, call: Callable[[], Any], sync: Callable[[], None]) -> 
         ex.fns = orig
 
 
+def per_unit_calls(ex: Any, call: Callable[[], Any], sync: Callable[[], None]) -> list[dict[str, Any]]:
+    """Host us of each unit's installed callable alone, and of the Inductor code under it when found."""
+    rows = []
+    for u, a in enumerate(unit_args(ex, call)):
+        f = ex.fns[u]
+        row: dict[str, Any] = {"unit": u, "callable_us": host_us(lambda f=f, a=a: f(list(a)), sync),
+                               "direct": ex.direct_units[u]}
+        inner = f if ex.direct_units[u] else innermost(f)
+        if inner is not None:
+            row["inductor_call_us"] = host_us(lambda inner=inner, a=a: inner(list(a)), sync)
+        rows.append(row)
+    return rows
+
+
+def profile(call: Callable[[], Any], sync: Callable[[], None]) -> list[str]:
+    """cProfile of ten calls, top 30 functions by own time."""
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    for _ in range(10):
+        call()
+    prof.disable()
+    sync()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    return buf.getvalue().splitlines()
+
+
+class _TimedEvent:
+    """An executor event whose ``synchronize`` adds the time it blocks to a counter."""
+
+    def __init__(self, event: Any, owner: BlockedTime) -> None:
+        self._event = event
+        self._owner = owner
+
+    def record(self, stream: Any = None) -> None:
+        """Record the wrapped event."""
+        self._event.record(stream)
+
+    def synchronize(self) -> None:
+        """Wait for the wrapped event, counting the wait."""
+        t0 = time.perf_counter_ns()
+        self._event.synchronize()
+        self._owner.ns += time.perf_counter_ns() - t0
+
+
+class BlockedTime:
+    """Counts the ns the executor's host blocks on its unit-done events (the host-lead limit)."""
+
+    def __init__(self, ex: Any) -> None:
+        self.ns = 0
+        ex._done = [_TimedEvent(e, self) for e in ex._done]
+
+
 def main() -> int:
     """Run the measurements and write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -118,6 +173,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=None, help="default 2048 on a device, 16 on cpu")
     ap.add_argument("--layers", type=int, default=None, help="default 24 (mlp) / 8 (transformer) on a device")
     ap.add_argument("--hidden", type=int, default=None, help="default 4096 on a device, 64 on cpu")
+    ap.add_argument("--rounds", type=int, default=10, help="interleaved measurement rounds (5 calls each)")
     ap.add_argument("--out", default=None, help="JSON path (printed when omitted)")
     args = ap.parse_args()
 
@@ -145,49 +201,62 @@ def main() -> int:
     with torch.no_grad():
         torch._dynamo.reset()
         resident = torch.compile(wl.fresh().to(device), dynamic=False)
-        for _ in range(3):
-            resident(x)
-        res["resident_compiled_call_us"] = host_us(lambda r=resident: r(x), sync)
-        del resident
-        for ratio, direct in ((1.0, True), (1.0, False), (0.0, True)):
-            torch._dynamo.reset()
-            cfg = OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="auto", direct_unit_calls=direct)
-            m = magi_core.offload(wl.fresh(), cfg)
+        calls: dict[str, Callable[[], Any]] = {"resident_compiled": lambda r=resident: r(x)}
+        models: dict[str, Any] = {}
+        for key, direct in (("ratio1", True), ("ratio1_wrapped", False)):
+            cfg = OffloadConfig(gpu_resident_weight_ratio=1.0, unit_compiler="auto", direct_unit_calls=direct)
+            models[key] = m = magi_core.offload(wl.fresh(), cfg)
+            calls[key] = lambda m=m: m(x)
             for _ in range(4):
                 m(x)
             ex = live_runtimes()[-1].executor
-            key = f"ratio{ratio:g}" + ("" if direct else "_wrapped")
             res["units"] = ex.n_units
             res[f"{key}_direct_units"] = sum(bool(d) for d in ex.direct_units)
-            res[f"{key}_call_us"] = host_us(lambda m=m: m(x), sync)
-            res[f"{key}_loop_only_us"] = loop_only_us(ex, lambda m=m: m(x), sync)
-            if ratio == 1.0 and direct:
-                per_unit = []
-                for u, a in enumerate(unit_args(ex, x, lambda m=m: m(x))):
-                    f = ex.fns[u]
-                    row = {"unit": u, "callable_us": host_us(lambda f=f, a=a: f(list(a)), sync),
-                           "direct": ex.direct_units[u]}
-                    inner = f if ex.direct_units[u] else innermost(f)
-                    if inner is not None:
-                        row["inductor_call_us"] = host_us(lambda inner=inner, a=a: inner(list(a)), sync)
-                    per_unit.append(row)
-                res["per_unit"] = per_unit
-                prof = cProfile.Profile()
-                sync()
-                prof.enable()
-                for _ in range(10):
-                    m(x)
-                prof.disable()
-                sync()
-                buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
-                res["cprofile_ratio1_top"] = buf.getvalue().splitlines()
+            res[f"{key}_loop_only_us"] = loop_only_us(ex, calls[key], sync)
+            if direct:
+                res["per_unit"] = per_unit_calls(ex, calls[key], sync)
+                res["cprofile_ratio1_top"] = profile(calls[key], sync)
+        for fn in calls.values():
+            fn()
+        # interleaved rounds: drift of the host (clocks, other load) hits every variant alike
+        rounds: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(args.rounds):
+            for k, fn in calls.items():
+                rounds[k].append(host_us(fn, sync, calls=5))
+        for k, v in rounds.items():
+            res[f"{k}_call_us"] = statistics.median(v)
+        for key in ("ratio1", "ratio1_wrapped"):
+            diffs = [a - b for a, b in zip(rounds[key], rounds["resident_compiled"], strict=True)]
+            res[f"overhead_us_per_unit_{key}"] = statistics.median(diffs) / res["units"]
+        for m in models.values():
             magi_core.release(m)
-            del m, ex
+        del models, calls, resident
+        gc.collect()
+        torch._dynamo.reset()
+        # everything streamed: the executor's host work per step, without the time it blocks on copies
+        m = magi_core.offload(wl.fresh(), OffloadConfig(gpu_resident_weight_ratio=0.0, unit_compiler="auto"))
+        for _ in range(4):
+            m(x)
+        ex = live_runtimes()[-1].executor
+        res["ratio0_direct_units"] = sum(bool(d) for d in ex.direct_units)
+        waits = BlockedTime(ex)
+        totals, blocked = [], []
+        for _ in range(args.rounds * 5):
+            sync()
+            waits.ns = 0
+            t0 = time.perf_counter_ns()
+            m(x)
+            totals.append((time.perf_counter_ns() - t0) / 1e3)
+            blocked.append(waits.ns / 1e3)
+        sync()
+        res["ratio0_call_us"] = statistics.median(totals)
+        res["ratio0_blocked_us"] = statistics.median(blocked)
+        res["ratio0_host_work_us"] = statistics.median(t - b for t, b in zip(totals, blocked, strict=True))
+        res["ratio0_host_work_over_resident_us_per_unit"] = (
+            (res["ratio0_host_work_us"] - res["resident_compiled_call_us"]) / res["units"])
+        magi_core.release(m)
     n = res["units"]
-    for key in ("ratio1", "ratio1_wrapped"):
-        res[f"overhead_us_per_unit_{key}"] = (res[f"{key}_call_us"] - res["resident_compiled_call_us"]) / n
-    res["loop_us_per_unit"] = {k: res[f"{k}_loop_only_us"] / n for k in ("ratio1", "ratio1_wrapped", "ratio0")}
+    res["loop_us_per_unit"] = {k: res[f"{k}_loop_only_us"] / n for k in ("ratio1", "ratio1_wrapped")}
     if res.get("per_unit"):
         c = [r["callable_us"] for r in res["per_unit"]]
         i = [r["inductor_call_us"] for r in res["per_unit"] if "inductor_call_us" in r]
