@@ -162,7 +162,10 @@ synthetic transformer (`magi_core.models`: hidden 4096, 32 heads, SwiGLU FFN 143
 plus the all-resident probe, the other policies at the budgets; `--grid full` runs every policy at
 every ratio); accelerate at the smallest token count only; a 420 s time budget split across the
 models (configurations not started in time are recorded as skipped; `--time-budget 0` lifts it), so
-both models finish inside one 9-minute command. diffusers runs `apply_group_offloading` at block level,
+the core grid of both models finishes inside one 9-minute command. The full grid of both models takes
+about 25 minutes on an H200: where one command may not run that long, run it in parts (a model or token
+count per process, e.g. one per GPU of a host) and merge them with
+`python benchmarks/report.py --merge benchmarks/results/<date>-<hardware>.json PART.json ...`. diffusers runs `apply_group_offloading` at block level,
 one block per group, with a copy stream and `record_stream`; a model with no weights outside its block
 list (the MLP stack) gets a 1-element host buffer so that diffusers builds its top-level group and with
 it the prefetch chain (without it, diffusers 0.42 copies each block on its stream while the block
@@ -173,12 +176,14 @@ figures as not meaningful.
 LEGEND = """\
 Step time is the median of the timed steps (device timing events, steps issued back to back after
 warm-up). "ideal" = max(compiled resident step time, streamed bytes / pinned H2D bandwidth measured
-in the same run); "x faster than P" = P's step time / this step time; setup = materialise + pin
+in the same process); "x faster than P" = P's step time / this step time; setup = materialise + pin
 (+ wrap), "first call" includes compilation; recompiles are Dynamo graphs compiled during the timed
 steps; max rel err = max|out - ref| / max|ref| against the first system run (resident eager).
 copy GB/s = weight bytes streamed per step / step time (peers are taken to stream every weight).
 Executor host overhead per unit = (host time of one call of magi-core with every weight resident
-minus that of the compiled resident model, each issued onto an idle device) / units.
+minus that of the compiled resident model, each issued onto an idle device) / units: an estimate from
+two measurements minutes apart, noisy to tens of us per unit; `benchmarks/host_overhead.py` measures it
+in interleaved rounds and breaks it down.
 """
 
 
