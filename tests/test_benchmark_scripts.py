@@ -1,0 +1,39 @@
+"""The diagnostic scripts under benchmarks/ run on the CPU backend at a tiny size and write what they promise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str, tmp_path: Path, *argv: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *argv, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_numerics_separates_streaming_from_rounding(tmp_path: Path) -> None:
+    doc = _script("numerics", tmp_path, "--layers", "2", "--hidden", "32", "--heads", "2", "--tokens", "8")
+    err = doc["errors"]
+    # eager units streamed from host memory compute exactly what the resident eager model computes
+    assert err["magi_eager_r0"]["vs_eager"] == 0.0 and err["magi_eager_r1"]["vs_eager"] == 0.0
+    # the ratio does not change a compiled unit's numerics, and bf16 is measurably off float32
+    assert err["magi_inductor_r0"]["vs_fp32"] == err["magi_inductor_r1"]["vs_fp32"]
+    assert 0.0 < err["eager"]["vs_fp32"] < 0.1
+    assert err["fp32_eager"]["vs_fp32"] == 0.0 and doc["spec"]["dtype"] == "bfloat16"
+
+
+def test_host_overhead_reports_every_figure(tmp_path: Path) -> None:
+    doc = _script("host_overhead", tmp_path, "--hidden", "16", "--layers", "4", "--tokens", "4", "--rounds", "2")
+    assert doc["units"] == 4 and doc["backend"] == "cpu"
+    for key in ("resident_compiled_call_us", "ratio1_call_us", "ratio1_wrapped_call_us", "ratio0_call_us",
+                "ratio0_host_work_us", "overhead_us_per_unit_ratio1", "ratio1_loop_only_us"):
+        assert isinstance(doc[key], float), key
+    assert 0.0 <= doc["ratio0_blocked_us"] <= doc["ratio0_call_us"]
+    assert len(doc["per_unit"]) == 4 and doc["cprofile_ratio1_top"]
