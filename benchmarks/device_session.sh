@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|multi|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site)
 # Results and logs go to $OUT (or ./device-out when OUT is unset).
 set -uo pipefail
@@ -38,6 +38,19 @@ if [ "$what" = multi ] || [ "$what" = all ]; then
     python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/host_bandwidth.py \
       --out "$OUT/host_bandwidth_2xh200.json" 2>&1 | tee "$OUT/host_bandwidth_2x.log" || rc=1
   fi
+fi
+if [ "$what" = bench-parts ]; then
+  # the full grid in parts on two GPUs of one host (one part alone outlasts a 10-minute device call), merged
+  day=$(date -u +%F)
+  ( CUDA_VISIBLE_DEVICES=0 python3 -m magi_core bench --models mlp --grid full --time-budget 0 \
+      --out "$OUT/part-mlp.json" > "$OUT/part-mlp.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 python3 -m magi_core bench --models transformer --tokens 2048 --grid full --time-budget 0 \
+      --out "$OUT/part-tf2048.json" > "$OUT/part-tf2048.log" 2>&1 ) &
+  CUDA_VISIBLE_DEVICES=1 python3 -m magi_core bench --models transformer --tokens 16384 --grid full --time-budget 0 \
+    --systems resident_eager,resident_compiled,magi,diffusers --out "$OUT/part-tf16384.json" > "$OUT/part-tf16384.log" 2>&1
+  wait
+  python3 benchmarks/report.py --merge "$OUT/$day-merged.json" "$OUT"/part-*.json --md "$OUT/BENCHMARKS.md" \
+    > "$OUT/merge.log" 2>&1 || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1

@@ -4,7 +4,8 @@ python benchmarks/report.py [RESULT.json ...] [--md docs/BENCHMARKS.md]
 python benchmarks/report.py --merge MERGED.json PART.json PART.json ...
 Without files it uses every JSON under benchmarks/results/ (accelerator runs first, newest first).
 With --merge, the given documents (parts of one grid run by several processes of one machine) are merged
-into MERGED.json first (magi_core.bench.merge), and the report is written from the result folder.
+into MERGED.json first (magi_core.bench.merge); the report is then written from the result folder when
+MERGED.json is in it, else from MERGED.json alone.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", type=Path, default=ROOT / "docs" / "BENCHMARKS.md", help="Markdown file to write")
     parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG plots (default next to --md)")
     parser.add_argument("--merge", type=Path, default=None, metavar="MERGED_JSON",
-                        help="merge the given result files into this file, then report on benchmarks/results/")
+                        help="merge the given result files into this file, then report (see above)")
     args = parser.parse_args(argv)
     if args.merge is not None:
         if not args.results:
@@ -38,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         merged = merge([json.loads(p.read_text()) for p in args.results])
         args.merge.write_text(json.dumps(merged, indent=1) + "\n")
         print(f"wrote {args.merge} ({len(merged['runs'])} runs from {len(args.results)} files)")
-        args.results = []
+        results_dir = (ROOT / "benchmarks" / "results").resolve()
+        # merged into the results folder: report on the folder; elsewhere: on the merged document alone
+        args.results = [] if args.merge.resolve().parent == results_dir else [args.merge]
     paths = args.results or sorted((ROOT / "benchmarks" / "results").glob("*.json"))
     # the results folder also holds other benchmarks' JSON (host bandwidth): keep `magi bench` documents only
     docs = [load(p) for p in paths if args.results or "runs" in json.loads(p.read_text())]

@@ -88,3 +88,9 @@ def test_report_script_merges_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     doc = json.loads(merged.read_text())
     assert [r["step_ms"] for r in doc["runs"]] == [4.0] and len(doc["parts"]) == 2
     assert "80.00 - 100.00 (2 processes)" in (tmp_path / "B.md").read_text()
+    # merged elsewhere (a device's output folder): the report covers the merged document alone
+    merged.unlink()  # the results folder is empty again
+    elsewhere = tmp_path / "out" / "merged.json"
+    elsewhere.parent.mkdir()
+    assert mod.main(["--merge", str(elsewhere), *parts, "--md", str(tmp_path / "C.md")]) == 0
+    assert "80.00 - 100.00 (2 processes)" in (tmp_path / "C.md").read_text()
