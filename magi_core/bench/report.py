@@ -163,9 +163,10 @@ plus the all-resident probe, the other policies at the budgets; `--grid full` ru
 every ratio); accelerate at the smallest token count only; a 420 s time budget split across the
 models (configurations not started in time are recorded as skipped; `--time-budget 0` lifts it), so
 the core grid of both models finishes inside one 9-minute command. The full grid of both models takes
-about 25 minutes on an H200: where one command may not run that long, run it in parts (a model or token
-count per process, e.g. one per GPU of a host) and merge them with
-`python benchmarks/report.py --merge benchmarks/results/<date>-<hardware>.json PART.json ...`. diffusers runs `apply_group_offloading` at block level,
+about 20 minutes on an H200: where one command may not run that long, run it in parts (a model or token
+count per process, e.g. one per GPU of a host: `benchmarks/device_session.sh bench-parts`) and merge them
+with `python benchmarks/report.py --merge benchmarks/results/<date>-<hardware>.json PART.json ...`.
+diffusers runs `apply_group_offloading` at block level,
 one block per group, with a copy stream and `record_stream`; a model with no weights outside its block
 list (the MLP stack) gets a 1-element host buffer so that diffusers builds its top-level group and with
 it the prefetch chain (without it, diffusers 0.42 copies each block on its stream while the block
