@@ -148,7 +148,7 @@ def direct_call(compiled: Callable[..., Any], args: Sequence[Any], expected: Any
     and calling it with the same ``args`` returns the same structure and values as ``compiled`` did
     (``expected``). Anything else keeps the wrapped call.
     """
-    if torch.is_autocast_enabled() or torch._C._is_any_autocast_enabled():
+    if _autocast_active(args):
         return None
     inner = output_code(compiled)
     if inner is None or getattr(inner, "mutated_input_idxs", None):
@@ -179,6 +179,15 @@ def direct_call(compiled: Callable[..., Any], args: Sequence[Any], expected: Any
 
         return call_as
     return None
+
+
+def _autocast_active(args: Sequence[Any]) -> bool:
+    """True when any autocast is on (the AOT wrapper would switch it off around the unit's code)."""
+    any_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
+    if callable(any_enabled):
+        return bool(any_enabled())
+    kinds = {a.device.type for a in args if isinstance(a, torch.Tensor)} | {"cpu"}
+    return any(torch.is_autocast_enabled(k) for k in kinds)
 
 
 def _same(a: Any, b: Any) -> bool:
