@@ -41,6 +41,7 @@ from magi_core.bench.workloads import MLPShape, mlp_workload, transformer_worklo
 from magi_core.models import TransformerSpec
 from magi_core.runtime.compile_backend import live_runtimes
 from magi_core.runtime.config import OffloadConfig
+from magi_core.runtime.unit_compile import output_code
 
 
 def host_us(fn: Callable[[], Any], sync: Callable[[], None], calls: int = 20) -> float:
@@ -53,24 +54,6 @@ def host_us(fn: Callable[[], Any], sync: Callable[[], None], calls: int = 20) ->
         times.append((time.perf_counter() - t0) * 1e6)
     sync()
     return statistics.median(times)
-
-
-def innermost(fn: Any, depth: int = 0) -> Any | None:
-    """The innermost Inductor output object (has ``current_callable``) reachable through closures, or None."""
-    if depth > 10:
-        return None
-    if hasattr(fn, "current_callable") and type(fn).__name__ == "CompiledFxGraph":
-        return fn
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            v = cell.cell_contents
-        except ValueError:
-            continue
-        if v is not fn and (callable(v) or hasattr(v, "current_callable")):
-            found = innermost(v, depth + 1)
-            if found is not None:
-                return found
-    return None
 
 
 def unit_args(ex: Any, model_call: Callable[[], Any]) -> list[list[Any]]:
@@ -119,7 +102,7 @@ def per_unit_calls(ex: Any, call: Callable[[], Any], sync: Callable[[], None]) -
         f = ex.fns[u]
         row: dict[str, Any] = {"unit": u, "callable_us": host_us(lambda f=f, a=a: f(list(a)), sync),
                                "direct": ex.direct_units[u]}
-        inner = f if ex.direct_units[u] else innermost(f)
+        inner = f if ex.direct_units[u] else output_code(f)
         if inner is not None:
             row["inductor_call_us"] = host_us(lambda inner=inner, a=a: inner(list(a)), sync)
         rows.append(row)

@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -37,6 +37,7 @@ from magi_core.models import SyntheticTransformer, TransformerSpec, build_transf
 from magi_core.registry import get_backend
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -146,13 +147,12 @@ def references(model: SyntheticTransformer, x: torch.Tensor, device: torch.devic
     return References(eager, fp32)
 
 
-def _fits(fn: Callable[[], Any]) -> tuple[bool, str]:
-    """Run ``fn``; ``(False, why)`` when the device runs out of memory."""
+def _fits(fn: Callable[[], T]) -> tuple[T | None, str]:
+    """``(fn(), "")``, or ``(None, why)`` when the device runs out of memory."""
     try:
-        fn()
-        return True, ""
+        return fn(), ""
     except torch.OutOfMemoryError as exc:
-        return False, f"does not fit in device memory ({str(exc).splitlines()[0][:80]})"
+        return None, f"does not fit in device memory ({str(exc).splitlines()[0][:80]})"
 
 
 def run_demo(args: argparse.Namespace, emit: Callable[[str], None] = print) -> list[Row]:
@@ -199,9 +199,8 @@ def run_demo_with_references(
         # resident baseline: a device copy of the model, compiled with the units' compiler
         torch._dynamo.reset()
         ref = refs.eager
-        result: dict[str, Any] = {}
 
-        def resident_run(result: dict[str, Any] = result) -> None:
+        def resident_run() -> tuple[float, torch.Tensor, int]:
             resident = build_transformer(spec).to(device)
             run: Callable[..., Any] = torch.compile(resident) if compiler == "inductor" else resident
 
@@ -209,21 +208,19 @@ def run_demo_with_references(
                 return run(xd)
 
             dm.reset_peak_memory_stats()
-            result["ms"], out = _time(step_resident, args.steps, sync)
-            result["out"] = out.detach().cpu()
-            result["peak"] = int(dm.max_memory_allocated())
+            ms, out = _time(step_resident, args.steps, sync)
+            return ms, out.detach().cpu(), int(dm.max_memory_allocated())
 
-        fits, why = _fits(resident_run)  # fills ``result``
+        measured, why = _fits(resident_run)
         gc.collect()
         dm.empty_cache()
-        if fits:
-            ref = result["out"]
-            rows.append(Row("resident", result["ms"], result["peak"], 0, 0.0, compiler,
+        if measured is not None:
+            ms, ref, peak = measured
+            rows.append(Row("resident", ms, peak, 0, 0.0, compiler,
                             err_fp32=None if refs.fp32 is None else _rel_err(ref, refs.fp32)))
         else:
             emit(f"resident run skipped: the model {why}; errors are against the eager reference")
             rows.append(Row("resident", float("nan"), 0, 0, float("nan"), compiler, note="skipped: " + why))
-        result.clear()
         bar.update(1)
 
         host = materialize(model)
