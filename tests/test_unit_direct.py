@@ -90,3 +90,17 @@ def test_wrong_structure_or_no_inductor_code_keeps_the_wrapped_call() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert direct_call(compiled, [x, w], expected) is None
 
+
+def test_units_compiled_again_come_from_inductors_graph_cache() -> None:
+    # without a shape environment Inductor bypasses its FX graph cache and every run compiles every unit again
+    from torch._dynamo.utils import counters
+
+    spec = TransformerSpec(layers=1, hidden=32, heads=2)
+    model = build_transformer(spec)
+    x = example_input(spec, tokens=4)
+    _run(model, x, direct=True)
+    counters.clear()
+    _, kinds = _run(model, x, direct=True)
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["inductor"]["fxgraph_cache_hit"] >= len(kinds)
+    assert all(kinds), "units loaded from the cache are called directly too"

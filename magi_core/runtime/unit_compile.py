@@ -64,27 +64,25 @@ def _boxed(fn: Callable[..., Any]) -> UnitFn:
 
 
 def compile_unit(module: torch.fx.GraphModule, args: Sequence[Any]) -> Callable[..., Any]:
-    """``module`` compiled by Inductor for ``args``; lifted 0-dim host scalars stay runtime values.
+    """``module`` compiled by Inductor for ``args``, from fakes under a shape environment.
 
-    Dynamo lifts Python floats to 0-dim host tensors read back with ``.item()`` (origin.md section 2). Inductor
-    fake-copies real example inputs without a shape environment, where ``.item()`` raises
-    ``DataDependentOutputException``; here such units are compiled from fakes under a shape environment, so
-    ``.item()`` is a symbolic float and the compiled unit reads the value on every call.
+    Two reasons for the shape environment. Dynamo lifts Python floats to 0-dim host tensors read back with
+    ``.item()`` (origin.md section 2); Inductor fake-copies real example inputs without a shape environment,
+    where ``.item()`` raises ``DataDependentOutputException``; under one, ``.item()`` is a symbolic float and
+    the compiled unit reads the value on every call. And without a shape environment Inductor bypasses its FX
+    graph cache ("No shape env"), so every configuration, process and run would compile every unit again;
+    with it, a unit compiled once (same graph, shapes, dtypes and devices) is reused from the cache.
+    Shapes stay static: one compiled unit per input shape, as the executor expects.
     """
-    from torch._inductor.compile_fx import compile_fx
-
-    compiled: Callable[..., Any]
-    if not any(isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu" for a in args):
-        compiled = compile_fx(module, list(args))  # type: ignore[assignment]
-        return compiled
     from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
     with tracing(TracingContext(fake_mode)):
-        compiled = compile_fx(module, fakes)  # type: ignore[assignment]
+        compiled: Callable[..., Any] = compile_fx(module, fakes)  # type: ignore[assignment]
     return compiled
 
 
