@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
 # Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|all|none]
-# (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site)
+# (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
+#  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
@@ -9,10 +10,12 @@ what=${1:-all}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 site=/tmp/magi-site
 # always a fresh install: a warm machine keeps /tmp between calls, and stale magi code there would be tested
+if [ "${MAGI_SESSION_INSTALLED:-0}" != 1 ]; then
 rm -rf "$site"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
   && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" \
      . ./backends/cuda ./backends/musa || { echo "install failed"; exit 3; }
+fi
 export PYTHONPATH=$site:${PYTHONPATH:-}
 df -h /dev/shm | tee "$OUT/shm.txt"; nproc; free -g
 python3 - <<'PY' | tee "$OUT/env.txt"
