@@ -163,7 +163,7 @@ plus the all-resident probe, the other policies at the budgets; `--grid full` ru
 every ratio); accelerate at the smallest token count only; a 420 s time budget split across the
 models (configurations not started in time are recorded as skipped; `--time-budget 0` lifts it), so
 the core grid of both models finishes inside one 9-minute command. The full grid of both models takes
-about 20 minutes on an H200: where one command may not run that long, run it in parts (a model or token
+about 15 minutes on an H200: where one command may not run that long, run it in parts (a model or token
 count per process, e.g. one per GPU of a host: `benchmarks/device_session.sh bench-parts`) and merge them
 with `python benchmarks/report.py --merge benchmarks/results/<date>-<hardware>.json PART.json ...`.
 diffusers runs `apply_group_offloading` at block level,
