@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from magi_core import cpu_backend
-from magi_core.bench import BenchOptions, add_arguments, analysis, main, report
+from magi_core.bench import BenchOptions, add_arguments, analysis, main, measure, report
 from magi_core.bench.options import ACCELERATOR_TIME_BUDGET_S
 from magi_core.bench.runner import skip_reason, system_specs
 from magi_core.bench.systems import (
@@ -61,6 +61,7 @@ def test_cpu_run_writes_json_with_every_field(cpu_run: tuple[dict[str, Any], Pat
     assert env["backend"]["name"] == "cpu" and env["meaningful"] is False and "not meaningful" in env["note"]
     assert env["torch"] == torch.__version__ and env["hardware"] and env["date"][:2] == "20"
     assert doc["h2d_GBps"] > 0
+    assert doc["host_call_method"] == measure.HOST_CALL_METHOD
     assert set(doc["workloads"]) == {"mlp", "transformer"}
     for w in doc["workloads"].values():
         assert w["weight_bytes"] >= sum(w["block_bytes"]) > 0

@@ -58,6 +58,10 @@ def time_steps(backend: Backend, fn: Callable[[], Any], steps: int, warmup: int)
     return StepTimes([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], host), out
 
 
+#: How :func:`host_call_ms` reduces its calls to one figure (recorded in every result document).
+HOST_CALL_METHOD = "fastest of 20 calls onto an idle device"
+
+
 def host_call_ms(backend: Backend, fn: Callable[[], Any], calls: int = 20) -> float:
     """Fastest host time (ms) of ``calls`` calls, each issued onto an idle device (synchronised before and after).
 

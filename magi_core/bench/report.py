@@ -183,8 +183,8 @@ steps; max rel err = max|out - ref| / max|ref| against the first system run (res
 copy GB/s = weight bytes streamed per step / step time (peers are taken to stream every weight).
 Executor host overhead per unit = (host time of one call of magi-core with every weight resident
 minus that of the compiled resident model, each the fastest of 20 calls issued onto an idle device) /
-units: an estimate from two measurements minutes apart (results before 2026-11-30T07 took the median of
-5 calls, which other load on the host skews by tens of us per unit); `benchmarks/host_overhead.py`
+units: an estimate from two measurements minutes apart (documents without `host_call_method` took the
+median of 5 calls, which other load on the host skews by tens of us per unit); `benchmarks/host_overhead.py`
 measures it in interleaved rounds and breaks it down.
 """
 

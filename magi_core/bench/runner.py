@@ -182,7 +182,7 @@ def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "schema": SCHEMA_VERSION, "env": env, "options": options.as_json(), "sizes": sizes.__dict__,
         "h2d_GBps": h2d, "h2d_probe_bytes": options.h2d_probe_bytes(backend.is_accelerator), "h2d_method": h2d_method,
-        "workloads": {}, "runs": [], "notes": [],
+        "host_call_method": measure.HOST_CALL_METHOD, "workloads": {}, "runs": [], "notes": [],
     }
     specs = system_specs(options)
     budget = options.time_budget(backend.is_accelerator)
