@@ -37,11 +37,10 @@ import torch
 
 import magi_core
 from magi_core import get_backend
+from magi_core.bench.models import TransformerSpec
 from magi_core.bench.workloads import MLPShape, mlp_workload, transformer_workload
-from magi_core.models import TransformerSpec
-from magi_core.runtime.compile_backend import live_runtimes
-from magi_core.runtime.config import OffloadConfig
-from magi_core.runtime.unit_compile import output_code
+from magi_core.config import OffloadConfig
+from magi_core.execute.unit_compile import output_code
 
 
 def host_us(fn: Callable[[], Any], sync: Callable[[], None], calls: int = 20) -> float:
@@ -123,32 +122,6 @@ def profile(call: Callable[[], Any], sync: Callable[[], None]) -> list[str]:
     return buf.getvalue().splitlines()
 
 
-class _TimedEvent:
-    """An executor event whose ``synchronize`` adds the time it blocks to a counter."""
-
-    def __init__(self, event: Any, owner: BlockedTime) -> None:
-        self._event = event
-        self._owner = owner
-
-    def record(self, stream: Any = None) -> None:
-        """Record the wrapped event."""
-        self._event.record(stream)
-
-    def synchronize(self) -> None:
-        """Wait for the wrapped event, counting the wait."""
-        t0 = time.perf_counter_ns()
-        self._event.synchronize()
-        self._owner.ns += time.perf_counter_ns() - t0
-
-
-class BlockedTime:
-    """Counts the ns the executor's host blocks on its unit-done events (the host-lead limit)."""
-
-    def __init__(self, ex: Any) -> None:
-        self.ns = 0
-        ex._done = [_TimedEvent(e, self) for e in ex._done]
-
-
 def main() -> int:
     """Run the measurements and write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -192,7 +165,7 @@ def main() -> int:
             calls[key] = lambda m=m: m(x)
             for _ in range(4):
                 m(x)
-            ex = live_runtimes()[-1].executor
+            ex = magi_core.handle(m).runtime.executor
             res["units"] = ex.n_units
             res[f"{key}_direct_units"] = sum(bool(d) for d in ex.direct_units)
             res[f"{key}_loop_only_us"] = loop_only_us(ex, calls[key], sync)
@@ -220,17 +193,17 @@ def main() -> int:
         m = magi_core.offload(wl.fresh(), OffloadConfig(gpu_resident_weight_ratio=0.0, unit_compiler="auto"))
         for _ in range(4):
             m(x)
-        ex = live_runtimes()[-1].executor
+        ex = magi_core.handle(m).runtime.executor
         res["ratio0_direct_units"] = sum(bool(d) for d in ex.direct_units)
-        waits = BlockedTime(ex)
+        ex.measure_host_waits = True
         totals, blocked = [], []
         for _ in range(args.rounds * 5):
             sync()
-            waits.ns = 0
+            ex.stats.host_wait_ns = 0
             t0 = time.perf_counter_ns()
             m(x)
             totals.append((time.perf_counter_ns() - t0) / 1e3)
-            blocked.append(waits.ns / 1e3)
+            blocked.append(ex.stats.host_wait_ns / 1e3)
         sync()
         res["ratio0_call_us"] = statistics.median(totals)
         res["ratio0_blocked_us"] = statistics.median(blocked)

@@ -23,11 +23,11 @@ import torch
 
 import magi_core
 from magi_core import get_backend
+from magi_core.api import compile_offloaded
+from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.config import OffloadConfig
+from magi_core.execute.unit_compile import like_with_like
 from magi_core.host.materialize import materialize
-from magi_core.models import TransformerSpec, build_transformer, example_input
-from magi_core.runtime.api import compile_offloaded
-from magi_core.runtime.config import OffloadConfig
-from magi_core.runtime.unit_compile import like_with_like
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,6 +1,6 @@
 """The ``magi`` command: ``magi backends [--json]``, ``magi demo``, ``magi bench``, ``magi --version``.
 
-``demo`` and ``bench`` live in :mod:`magi_core.demo` and :mod:`magi_core.bench`; each module provides
+``demo`` and ``bench`` live in :mod:`magi_core.bench.demo` and :mod:`magi_core.bench`; each module provides
 ``add_arguments(parser)`` and ``main(args) -> int`` and is imported only when its subcommand runs.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 #: Subcommands served by other modules: name -> (module, one-line help).
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("magi_core.demo", "run the demo job: a model offloaded with magi-core"),
+    "demo": ("magi_core.bench.demo", "run the demo job: a model offloaded with magi-core"),
     "bench": ("magi_core.bench", "run the benchmarks"),
 }
 
@@ -36,7 +36,7 @@ def version_text() -> str:
     import torch
 
     from magi_core import __version__
-    from magi_core.hookspecs import HOOKSPEC_VERSION
+    from magi_core.plugin.spec import HOOKSPEC_VERSION
 
     return f"magi-core {__version__} (hook spec {HOOKSPEC_VERSION}, torch {torch.__version__})"
 
@@ -46,8 +46,8 @@ def backends_report(explicit: str | None = None) -> dict[str, Any]:
     import torch
 
     from magi_core import __version__
-    from magi_core.hookspecs import HOOKSPEC_VERSION
-    from magi_core.registry import current_selection, list_backends
+    from magi_core.plugin.manager import current_selection, list_backends
+    from magi_core.plugin.spec import HOOKSPEC_VERSION
 
     records = list_backends()
     selection = current_selection(explicit)
@@ -170,7 +170,7 @@ def _subcommand(argv: Sequence[str]) -> str | None:
 
 
 def _configure_logging(verbose: int) -> None:
-    from magi_core.registry import tracing_enabled
+    from magi_core.plugin.manager import tracing_enabled
 
     level = logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 or tracing_enabled() else logging.WARNING
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert module is not None
         if args.backend is not None:
             from magi_core.errors import BackendError
-            from magi_core.registry import use_backend
+            from magi_core.plugin.manager import use_backend
 
             try:
                 use_backend(args.backend)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from magi_core import cpu_backend
 from magi_core.bench import BenchOptions, add_arguments, analysis, main, measure, report
+from magi_core.bench.models import TransformerSpec
 from magi_core.bench.options import ACCELERATOR_TIME_BUDGET_S
 from magi_core.bench.runner import skip_reason, system_specs
 from magi_core.bench.systems import (
@@ -25,8 +25,8 @@ from magi_core.bench.systems import (
 )
 from magi_core.bench.workloads import MLPShape, mlp_workload, transformer_workload
 from magi_core.errors import ConfigError
-from magi_core.models import TransformerSpec
-from magi_core.registry import get_backend
+from magi_core.plugin import cpu as cpu_backend
+from magi_core.plugin.manager import get_backend
 
 RUN_FIELDS = ("workload", "tokens", "system", "label", "policy", "ratio", "budget_fraction", "status")
 OK_FIELDS = ("step_ms", "steps_ms", "host_call_ms", "peak_alloc_bytes", "peak_reserved_bytes", "setup_s",

@@ -17,8 +17,8 @@ from helpers.fake_backends import Run, add_backend, run_python
 
 import magi_core
 from magi_core import cli
-from magi_core.hookspecs import HOOKSPEC_VERSION
-from magi_core.registry import REGISTRY
+from magi_core.plugin.manager import REGISTRY
+from magi_core.plugin.spec import HOOKSPEC_VERSION
 
 
 def magi(*argv: str, paths: tuple[Path, ...] = (), env: dict[str, str] | None = None) -> Run:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from magi_core.config import OffloadConfig, Policy, parse_bytes, resolve_config
 from magi_core.errors import ConfigError
-from magi_core.runtime.config import OffloadConfig, Policy, parse_bytes, resolve_config
-from magi_core.runtime.plan import Plan, make_profiles
-from magi_core.runtime.schedulers import (
+from magi_core.plan import (
     build_plan,
     get_scheduler,
     known_policies,
@@ -20,6 +19,7 @@ from magi_core.runtime.schedulers import (
     reload_policies,
     unregister_policy,
 )
+from magi_core.plan.contract import Plan, make_profiles
 
 
 def test_defaults() -> None:
@@ -203,7 +203,7 @@ def test_plugin_plan_is_validated() -> None:
 def plugin_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A real installed distribution (dist-info on sys.path) declaring ``magi.policies`` entry points."""
     (tmp_path / "magi_policy_plugin_test.py").write_text(textwrap.dedent('''
-        from magi_core.runtime.schedulers import lookahead_plan
+        from magi_core.plan import lookahead_plan
 
         class TwoAhead:
             def plan(self, profiles, bandwidth_Bps, config):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from magi_core.cpu_backend import registered_ranges
+from magi_core.plugin.cpu import registered_ranges
 from magi_core.testing.conformance import *  # noqa: F403
 
 

@@ -6,9 +6,9 @@ import argparse
 
 import torch
 
-from magi_core import demo
-from magi_core.cpu_backend import registered_ranges
-from magi_core.models import TransformerSpec, build_transformer, example_input
+from magi_core.bench import demo
+from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.plugin.cpu import registered_ranges
 
 
 def parse(*argv: str) -> argparse.Namespace:

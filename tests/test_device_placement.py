@@ -11,7 +11,7 @@ from torch import nn
 
 from magi_core.passes.device_placement import place_on_device
 from magi_core.passes.weights import node_value
-from magi_core.registry import get_backend
+from magi_core.plugin.manager import get_backend
 
 META = torch.device("meta")
 CPU = torch.device("cpu")

@@ -6,13 +6,12 @@ import gc
 
 import pytest
 import torch
+from helpers.tracking import compile_tracked, compiles, newest
 from test_executor_models import MixedStack, TiedLM, TupleKw
 
-from magi_core.models import TransformerSpec, build_transformer, example_input
-from magi_core.registry import get_backend
-from magi_core.runtime import compile_backend
-from magi_core.runtime.compile_backend import live_runtimes
-from magi_core.runtime.weights import RESIDENT
+from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.execute.residency import RESIDENT
+from magi_core.plugin.manager import get_backend
 
 POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
 RATIOS = (0.0, 0.5, 1.0)
@@ -27,7 +26,7 @@ def _fresh_dynamo():
 
 def compiled(model: torch.nn.Module, **options):
     opts = {"unit_compiler": "eager", "warmup_calls": 2, **options}
-    return torch.compile(model, backend="magi_offload", options=opts)
+    return compile_tracked(model, options=opts)
 
 
 def device():
@@ -57,7 +56,7 @@ def test_outputs_equal_eager(transformer, policy, ratio):
         out = f(x)
         assert out.device.type == device().type
         close(out, ref)
-    rt = live_runtimes()[-1]
+    rt = newest()
     assert rt.phase == "planned"
     assert rt.plan is not None and str(rt.plan.policy) == policy
     total = rt.executor.split.weight_bytes
@@ -78,15 +77,15 @@ def test_tied_weights_copied_once_per_step():
     f = compiled(model, policy="BASE")
     for _ in range(4):
         close(f(ids), ref)
-    ex = live_runtimes()[-1].executor
+    ex = newest().executor
     tied = [i for i, w in ex.split.weights.items() if len(w.users) > 1]
     assert tied, "the tied embedding/head weight should be one graph input used by two units"
     order = ex.actions.copy_order()
     assert sorted(order) == sorted(set(order)), "each streamed weight is copied once per step"
     assert set(tied) <= set(order)
-    before = ex.copier.copies
+    before = ex.transfer.copies
     f(ids)
-    assert ex.copier.copies - before == len(order)
+    assert ex.transfer.copies - before == len(order)
 
 
 def test_units_without_weights():
@@ -97,7 +96,7 @@ def test_units_without_weights():
     f = compiled(model, policy="HEURISTIC", gpu_resident_weight_ratio=0.5)
     for _ in range(4):
         close(f(x), ref)
-    ex = live_runtimes()[-1].executor
+    ex = newest().executor
     assert any(not u.weights for u in ex.units)
 
 
@@ -108,7 +107,7 @@ def test_lifted_eps_stays_on_host(transformer):
         refs = {eps: model(x, eps) for eps in (1e-5, 1e-3, 1e-2)}
     for eps in (1e-5, 1e-3, 1e-2, 1e-3, 1e-2):  # a changing float is lifted to a 0-dim host tensor input
         close(f(x, eps), refs[eps])
-    ex = live_runtimes()[-1].executor
+    ex = newest().executor
     phs = [n for n in ex.split.graph_module.graph.nodes if n.op == "placeholder"]
     scalars = [
         n for n in phs
@@ -137,11 +136,11 @@ def test_zero_recompiles_after_warmup_and_second_shape(transformer):
     f = compiled(model, policy="HEURISTIC", gpu_resident_weight_ratio=0.5)
     for _ in range(3):
         f(x)
-    compiles = compile_backend.COMPILE_COUNT
+    n_compiles = compiles()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for _ in range(5):
         close(f(x), ref)
-    assert compile_backend.COMPILE_COUNT == compiles
+    assert compiles() == n_compiles
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     spec = model.spec
     x2 = example_input(spec, tokens=5, batch=2, seed=3)
@@ -149,7 +148,7 @@ def test_zero_recompiles_after_warmup_and_second_shape(transformer):
         ref2 = model(x2)
     for _ in range(4):
         close(f(x2), ref2)
-    assert compile_backend.COMPILE_COUNT == compiles + 1
+    assert compiles() == n_compiles + 1
     close(f(x), ref)
 
 
@@ -181,16 +180,16 @@ def test_resident_weights_freed_with_the_runtime(transformer):
 
 
 def test_options_config_object_and_bad_option(transformer):
+    from magi_core.config import OffloadConfig
     from magi_core.errors import ConfigError
-    from magi_core.runtime.config import OffloadConfig
 
     model, x, ref = transformer
     cfg = OffloadConfig(policy="BASE", unit_compiler="eager", warmup_calls=0)
-    f = torch.compile(model, backend="magi_offload", options={"config": cfg})
+    f = compile_tracked(model, options={"config": cfg})
     close(f(x), ref)
-    assert live_runtimes()[-1].phase == "planned"  # warmup_calls=0 plans on the first call
+    assert newest().phase == "planned"  # warmup_calls=0 plans on the first call
     torch._dynamo.reset()
-    g = torch.compile(model, backend="magi_offload", options={"polcy": "BASE"})
+    g = compile_tracked(model, options={"polcy": "BASE"})
     with pytest.raises(Exception) as info:
         g(x)
     assert isinstance(info.value, ConfigError) or "polcy" in str(info.value)
@@ -206,5 +205,5 @@ def test_inductor_units_with_lifted_eps():
     f = compiled(model, policy="BASE", unit_compiler="inductor")
     for eps in (1e-5, 1e-1, 1e-5, 1e-1, 1e-1):
         close(f(x, eps), refs[eps])
-    ex = live_runtimes()[-1].executor
+    ex = newest().executor
     assert not any(type(fn).__name__ == "LazyUnit" for fn in ex.fns), "every unit ran compiled"

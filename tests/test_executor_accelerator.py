@@ -6,13 +6,13 @@ import gc
 
 import pytest
 import torch
+from helpers.tracking import compile_tracked, newest
 
-from magi_core.models import TransformerSpec, build_transformer, example_input
-from magi_core.registry import get_backend
-from magi_core.runtime.api import offload, release
-from magi_core.runtime.compile_backend import live_runtimes
-from magi_core.runtime.config import OffloadConfig
-from magi_core.runtime.unit_compile import like_with_like
+from magi_core.api import handle, offload, release
+from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.config import OffloadConfig
+from magi_core.execute.unit_compile import like_with_like
+from magi_core.plugin.manager import get_backend
 
 pytestmark = pytest.mark.accelerator
 
@@ -47,8 +47,7 @@ def test_relative_error_vs_resident(backend, dtype, tol, policy, ratio):
     dev = backend.device()
     with torch.no_grad():
         ref = build_transformer(spec).to(dev)(x.to(dev))
-    f = torch.compile(model, backend="magi_offload",
-                      options={"policy": policy, "gpu_resident_weight_ratio": ratio, "unit_compiler": "eager"})
+    f = compile_tracked(model, options={"policy": policy, "gpu_resident_weight_ratio": ratio, "unit_compiler": "eager"})
     with torch.no_grad():
         for _ in range(4):
             out = f(x)
@@ -67,7 +66,7 @@ def test_inductor_units_match(backend):
     with torch.no_grad(), like_with_like("inductor"):
         ref = torch.compile(build_transformer(spec).to(dev))(x.to(dev))
         torch._dynamo.reset()
-        f = torch.compile(model, backend="magi_offload", options={"policy": "HEURISTIC", "unit_compiler": "inductor"})
+        f = compile_tracked(model, options={"policy": "HEURISTIC", "unit_compiler": "inductor"})
         for _ in range(4):
             out = f(x)
     assert _rel(out, ref) <= 1e-2
@@ -82,12 +81,12 @@ def test_direct_unit_calls_on_the_device_match_wrapped_calls(backend):
     with torch.no_grad():
         for direct in (True, False):
             torch._dynamo.reset()
-            f = torch.compile(model, backend="magi_offload", options={
+            f = compile_tracked(model, options={
                 "policy": "HEURISTIC", "gpu_resident_weight_ratio": 0.5, "unit_compiler": "inductor",
                 "direct_unit_calls": direct})
             for _ in range(4):
                 outs[direct] = f(x)
-            kinds[direct] = list(live_runtimes()[-1].executor.direct_units)
+            kinds[direct] = list(newest().executor.direct_units)
     assert all(kinds[True]) and not any(kinds[False]), kinds
     assert torch.equal(outs[True], outs[False])
 
@@ -105,7 +104,7 @@ def test_peak_memory_at_ratio_zero_within_two_units_plus_activations(backend):
         with torch.no_grad():
             for _ in range(3):
                 model(xd)
-            ex = live_runtimes()[-1].executor
+            ex = handle(model).runtime.executor
             dm.synchronize()
             dm.reset_peak_memory_stats()
             base = dm.memory_allocated()
@@ -156,9 +155,9 @@ def test_offload_device_inputs_kwargs_and_tuple_output(backend, unit_compiler):
                 assert s is shift, "a pass-through device input comes back as itself"
                 assert _rel(h, refs[eps][0]) <= 1e-2
                 assert _rel(m, refs[eps][1]) <= 1e-2
-        ex = live_runtimes()[-1].executor
+        ex = handle(model).runtime.executor
         assert ex.inputs.bytes_moved == 0
-        assert live_runtimes()[-1].phase == "planned"
+        assert handle(model).runtime.phase == "planned"
     finally:
         release(model)
 
@@ -167,7 +166,7 @@ def test_host_inputs_are_moved_and_outputs_on_device(backend):
     spec = TransformerSpec(layers=2, hidden=128, heads=4)
     model = build_transformer(spec)
     x = example_input(spec, tokens=16)
-    f = torch.compile(model, backend="magi_offload", options={"unit_compiler": "eager"})
+    f = compile_tracked(model, options={"unit_compiler": "eager"})
     with torch.no_grad():
         for _ in range(3):
             out = f(x)

@@ -7,10 +7,10 @@ import logging
 import torch
 from torch import nn
 
+from magi_core.compile.device_branches import device_branch_reasons
+from magi_core.execute.actions import build_actions, unit_profiles
 from magi_core.passes.units import OffloadUnit, WeightSlot
-from magi_core.runtime.actions import build_actions, unit_profiles
-from magi_core.runtime.device_branches import device_branch_reasons
-from magi_core.runtime.plan import Plan
+from magi_core.plan.contract import Plan
 
 
 def units(spec: list[list[tuple[int, int]]]) -> list[OffloadUnit]:
@@ -92,7 +92,7 @@ def test_device_branch_detected_in_code_and_warned_at_compile(caplog):
     assert not device_branch_reasons(plain.__code__)
     torch._dynamo.reset()
     f = torch.compile(Branchy(), backend="magi_offload", options={"unit_compiler": "eager"})
-    with caplog.at_level(logging.WARNING, logger="magi_core.runtime.device_branches"), torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="magi_core.compile.device_branches"), torch.no_grad():
         f(torch.randn(2, 4))
     assert any("device-type branch" in r.getMessage() for r in caplog.records)
     torch._dynamo.reset()

@@ -11,21 +11,20 @@ import math
 
 import pytest
 import torch
+from helpers.tracking import compile_tracked, newest
 from test_executor_models import Breaks, PassThrough, TupleKw
 
-from magi_core.cpu_backend import registered_ranges
-from magi_core.errors import MagiError
-from magi_core.runtime import compile_backend
-from magi_core.runtime.api import host_weights, offload, offloaded_forward, release
-from magi_core.runtime.compile_backend import live_runtimes
-from magi_core.runtime.config import OffloadConfig
-from magi_core.runtime.device_inputs import (
+from magi_core.api import handle, offload, release
+from magi_core.compile.device_inputs import (
     ProxyPool,
     current_substitutions,
     replace_device_tensors,
     restore_device_tensors,
     substituting,
 )
+from magi_core.config import OffloadConfig
+from magi_core.errors import MagiError
+from magi_core.plugin.cpu import registered_ranges
 
 CFG = OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5, unit_compiler="eager", warmup_calls=2)
 
@@ -97,14 +96,14 @@ def test_executor_takes_the_substituted_tensor_never_the_proxy():
     x, bias = torch.randn(2, 4, 16), torch.randn(16)
     with torch.no_grad():
         ref = model(x, bias=bias, scale=2.0)
-    f = torch.compile(model, backend="magi_offload", options=CFG.to_dict())
+    f = compile_tracked(model, options=CFG.to_dict())
     proxy = torch.full_like(x, math.nan)
     for _ in range(4):
         with substituting({id(proxy): x}):
             out = f(proxy, bias=bias, scale=2.0)
         torch.testing.assert_close(out[0], ref[0])
         torch.testing.assert_close(out[1], ref[1])
-    ex = live_runtimes()[-1].executor
+    ex = newest().executor
     assert ex.inputs.substituted == 4
     assert torch.isnan(proxy).all()
 
@@ -115,12 +114,12 @@ def test_offload_with_device_inputs_kwargs_and_pass_through_outputs():
     x, bias, skip = torch.randn(2, 4, 16), torch.randn(16), torch.randn(3)
     with torch.no_grad():
         ref = model(x, extra={"bias": bias, "skip": skip}, scale=0.5)
-    compiles = compile_backend.COMPILE_COUNT
     try:
         offload(model, CFG)
-        assert host_weights(model) is not None
-        fwd = offloaded_forward(model)
-        assert fwd is not None
+        h = handle(model)
+        assert h.host is not None
+        fwd = h.forward
+        assert fwd is not None and model._compiled_call_impl is fwd
         fwd.is_device = _marked(x, bias, skip)  # treat these host tensors as device tensors
         fwd.pool = ProxyPool(fill_value=math.nan)  # any read of a proxy would produce NaN
         with torch.no_grad():
@@ -128,14 +127,14 @@ def test_offload_with_device_inputs_kwargs_and_pass_through_outputs():
                 out, x_out, skip_out = model(x, extra={"bias": bias, "skip": skip}, scale=0.5)
                 torch.testing.assert_close(out, ref[0])
                 assert x_out is x and skip_out is skip, "pass-through outputs are the device tensors"
-        ex = live_runtimes()[-1].executor
-        assert compile_backend.COMPILE_COUNT == compiles + 1, "reused proxies: no recompiles"
+        ex = h.runtime.executor
+        assert h.compile_count == 1, "reused proxies: no recompiles"
         assert fwd.substituted_calls == 5
         assert ex.inputs.substituted >= 5 and ex.inputs.bytes_moved == 0
         assert len(fwd.pool) == 3 and all(torch.isnan(p).all() for p in fwd.pool.proxies())
     finally:
         release(model, restore=True)
-    assert host_weights(model) is None
+    assert h.released and h.host is not None and h.host.released
     assert registered_ranges() == before
 
 

@@ -13,10 +13,10 @@ from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 from torch import nn
 
 from magi_core import get_backend
-from magi_core.cpu_backend import registered_ranges
 from magi_core.errors import ConfigError, HostRegisterError
 from magi_core.host import HostOptions, HostStateError, HostWeights, materialize
 from magi_core.host.topology import resolve_ep_size
+from magi_core.plugin.cpu import registered_ranges
 
 OPTS = HostOptions(progress=False)
 

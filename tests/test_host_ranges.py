@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from magi_core.errors import HostRegisterError
-from magi_core.host_ranges import ALREADY_REGISTERED, NOT_REGISTERED, SUCCESS, HostRangeTable
+from magi_core.plugin.host_ranges import ALREADY_REGISTERED, NOT_REGISTERED, SUCCESS, HostRangeTable
 
 
 class Runtime:

@@ -147,12 +147,12 @@ _EXIT_SCRIPT = textwrap.dedent("""
     import atexit, json, os
     results = {}
     def check():  # registered first, so it runs after magi-core's own exit handler
-        from magi_core.cpu_backend import registered_ranges
+        from magi_core.plugin.cpu import registered_ranges
         results["registered_at_exit"] = len(registered_ranges())
         print(json.dumps(results), flush=True)
     atexit.register(check)
     from torch import nn
-    from magi_core.cpu_backend import registered_ranges
+    from magi_core.plugin.cpu import registered_ranges
     from magi_core.host import HostOptions, materialize
     m = nn.Linear(64, 64)
     hw = materialize(m, options=HostOptions(progress=False))

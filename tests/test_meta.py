@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from magi_core import hookspecs
-from magi_core.registry import ALL_HOOKS
+from magi_core.plugin import spec as hookspecs
+from magi_core.plugin.manager import ALL_HOOKS
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "magi_core"
@@ -32,7 +32,7 @@ def forbidden_hits(root: Path) -> list[str]:
 
 
 def hookspec_functions() -> dict[str, object]:
-    """Every hook spec declared in :mod:`magi_core.hookspecs` (functions carrying pluggy's spec marker)."""
+    """Every hook spec declared in :mod:`magi_core.plugin.spec` (functions carrying pluggy's spec marker)."""
     return {
         name: fn
         for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)

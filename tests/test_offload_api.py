@@ -1,16 +1,14 @@
-"""``magi_core.runtime.api.offload``: host weights, forward through magi_offload, model stays a usable nn.Module."""
+"""``magi_core.api.offload``: host weights, forward through magi_offload, model stays a usable nn.Module."""
 
 from __future__ import annotations
 
 import torch
 
-from magi_core.cpu_backend import registered_ranges
-from magi_core.models import TransformerSpec, build_transformer, example_input
-from magi_core.registry import get_backend
-from magi_core.runtime import compile_backend
-from magi_core.runtime.api import offload, release
-from magi_core.runtime.compile_backend import live_runtimes
-from magi_core.runtime.config import OffloadConfig
+from magi_core.api import handle, offload, release
+from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.config import OffloadConfig
+from magi_core.plugin.cpu import registered_ranges
+from magi_core.plugin.manager import get_backend
 
 
 def test_offload_keeps_module_and_runs_through_backend():
@@ -22,7 +20,6 @@ def test_offload_keeps_module_and_runs_through_backend():
     x = example_input(spec, tokens=6)
     with torch.no_grad():
         ref = model(x)
-    compiles = compile_backend.COMPILE_COUNT
     try:
         out_model = offload(model, OffloadConfig(policy="COST_EFFECTIVE", gpu_resident_weight_ratio=0.5,
                                                  unit_compiler="eager"))
@@ -31,8 +28,8 @@ def test_offload_keeps_module_and_runs_through_backend():
         with torch.no_grad():
             for _ in range(4):
                 torch.testing.assert_close(model(x), ref)
-        assert compile_backend.COMPILE_COUNT == compiles + 1
-        rt = live_runtimes()[-1]
+        assert handle(model).compile_count == 1
+        rt = handle(model).runtime
         assert rt.phase == "planned" and str(rt.config.policy) == "COST_EFFECTIVE"
         assert set(model.state_dict()) == keys
         model.to(get_backend().device())  # offloaded weights stay on the host

@@ -29,7 +29,7 @@ from strategies import (
 
 from magi_core.passes.device_placement import place_on_device
 from magi_core.passes.split import split_into_units
-from magi_core.registry import get_backend
+from magi_core.plugin.manager import get_backend
 
 
 def _why_no_accelerator() -> str | None:

@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from magi_core import cpu_device
 from magi_core.errors import ConfigError, HostRegisterError, MagiError
-from magi_core.registry import get_backend
-from magi_core.runtime.profiler import UnitTimer, broadcast_profiles, broadcast_value, measure_h2d_bandwidth
+from magi_core.execute.profiler import UnitTimer, broadcast_profiles, broadcast_value, measure_h2d_bandwidth
+from magi_core.plugin.cpu import device as cpu_device
+from magi_core.plugin.manager import get_backend
 
 
 def _cpu_ranges() -> dict[int, int]:
-    from magi_core.cpu_backend import registered_ranges
+    from magi_core.plugin.cpu import registered_ranges
 
     return registered_ranges()
 
@@ -126,7 +126,7 @@ def test_broadcast_without_process_group_is_identity() -> None:
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from magi_core.registry import use_backend
+    from magi_core.plugin.manager import use_backend
 
     use_backend("cpu")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -140,7 +140,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             broadcast_profiles([0.0] * (3 + rank))
         except MagiError as exc:
             mismatch = str(exc)
-        from magi_core.cpu_backend import registered_ranges
+        from magi_core.plugin.cpu import registered_ranges
 
         record = {"rank": rank, "own": own, "shared": shared, "profiles": profiles, "value": value,
                   "mismatch": mismatch, "ranges": len(registered_ranges())}

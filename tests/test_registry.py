@@ -12,10 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import magi_core
-from magi_core import cpu_backend
 from magi_core.errors import BackendError
-from magi_core.hookspecs import HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
-from magi_core.registry import (
+from magi_core.plugin import cpu as cpu_backend
+from magi_core.plugin.manager import (
     ENV_BACKEND,
     ENV_TRACE,
     OPTIONAL_HOOKS,
@@ -25,6 +24,7 @@ from magi_core.registry import (
     available_accelerator,
     spec_major,
 )
+from magi_core.plugin.spec import HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -50,7 +50,7 @@ def fresh_global_registry(monkeypatch: pytest.MonkeyPatch):
 
 def test_cpu_backend_is_discovered_through_its_entry_point(registry: Registry) -> None:
     rec = registry.records()["cpu"]
-    assert rec.entry_point == "magi_core.cpu_backend"
+    assert rec.entry_point == "magi_core.plugin.cpu"
     assert rec.plugin is cpu_backend
     assert rec.package == "magi-core"
     assert rec.package_version == magi_core.__version__
@@ -71,7 +71,7 @@ def test_discovery_runs_once_per_registry(registry: Registry) -> None:
 def test_cpu_is_chosen_by_probe_without_accelerator_and_logged_once(
     registry: Registry, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="magi_core.registry"):
+    with caplog.at_level(logging.INFO, logger="magi_core.plugin.manager"):
         backend = registry.active()
         assert registry.active() is backend
         registry.use(None)
@@ -149,7 +149,7 @@ def _trace_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_trace_hooks_logs_every_hook_call(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(ENV_TRACE, "1")
     monkeypatch.setenv(ENV_BACKEND, "cpu")
-    with caplog.at_level(logging.INFO, logger="magi_core.registry"):
+    with caplog.at_level(logging.INFO, logger="magi_core.plugin.manager"):
         backend = Registry().active()
         backend.host_register(0x1000, 64)
         backend.host_unregister(0x1000)
@@ -163,7 +163,7 @@ def test_trace_hooks_logs_every_hook_call(monkeypatch: pytest.MonkeyPatch, caplo
 
 
 def test_no_trace_without_env(registry: Registry, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="magi_core.registry"):
+    with caplog.at_level(logging.DEBUG, logger="magi_core.plugin.manager"):
         registry.use("cpu")
     assert _trace_lines(caplog) == []
 
@@ -365,7 +365,7 @@ class _RangePlugin:
 
 
 def test_per_step_hooks_call_the_single_implementation_directly(monkeypatch: pytest.MonkeyPatch) -> None:
-    from magi_core.registry import _direct, _make_manager
+    from magi_core.plugin.manager import _direct, _make_manager
 
     monkeypatch.delenv(ENV_TRACE, raising=False)
     pm = _make_manager("t")

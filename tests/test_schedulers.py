@@ -8,10 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from magi_core.config import OffloadConfig
 from magi_core.errors import ConfigError
-from magi_core.runtime.config import OffloadConfig
-from magi_core.runtime.plan import STEP_START, Plan, UnitProfile, make_profiles
-from magi_core.runtime.schedulers import (
+from magi_core.plan import (
     best_step_ms,
     build_plan,
     heuristic_plan,
@@ -19,6 +18,7 @@ from magi_core.runtime.schedulers import (
     ratio_cap,
     simulate,
 )
+from magi_core.plan.contract import STEP_START, Plan, UnitProfile, make_profiles
 
 BW = 100e3  # 100 bytes per ms: a 100-byte unit takes 1 ms to copy
 POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")

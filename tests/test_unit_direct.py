@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from helpers.tracking import compile_tracked, newest
 from torch._inductor.compile_fx import compile_fx
 
-from magi_core.models import TransformerSpec, build_transformer, example_input
-from magi_core.runtime.compile_backend import live_runtimes
-from magi_core.runtime.unit_compile import direct_call, output_code
+from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.execute.unit_compile import direct_call, output_code
 
 
 def _run(model: torch.nn.Module, x: torch.Tensor, direct: bool) -> tuple[torch.Tensor, list[bool | None]]:
     torch._dynamo.reset()
-    f = torch.compile(model, backend="magi_offload",
-                      options={"policy": "BASE", "unit_compiler": "inductor", "direct_unit_calls": direct})
+    f = compile_tracked(model, options={"policy": "BASE", "unit_compiler": "inductor", "direct_unit_calls": direct})
     with torch.no_grad():
         outs = [f(x, 1e-5) for _ in range(4)]
     assert all(torch.equal(o, outs[0]) for o in outs)
-    return outs[-1], list(live_runtimes()[-1].executor.direct_units)
+    return outs[-1], list(newest().executor.direct_units)
 
 
 def test_direct_unit_calls_match_the_wrapped_calls_bit_for_bit() -> None:

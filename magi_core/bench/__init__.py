@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     from magi_core.bench import report
-    from magi_core.registry import get_backend
+    from magi_core.plugin.manager import get_backend
 
     try:
         options = options_from_args(args)

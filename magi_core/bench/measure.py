@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from magi_core.backend import Backend
+from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
 

@@ -157,7 +157,7 @@ this page and its plots from every JSON there. Options: `--models mlp,transforme
 `--systems`, `--policies`, `--ratios`, `--budgets`, `--grid core|full`, `--steps` (>= 10), `--quick`,
 `--time-budget S`, `--accelerate-all-tokens`, sizes (`--mlp-layers`, `--tf-layers`, ...).
 Defaults on an accelerator: the 24-block MLP stack of baselines.md (6.44 GB bf16) and the issue's
-synthetic transformer (`magi_core.models`: hidden 4096, 32 heads, SwiGLU FFN 14336, 32 blocks,
+synthetic transformer (`magi_core.bench.models`: hidden 4096, 32 heads, SwiGLU FFN 14336, 32 blocks,
 15.6 GB bf16) at 2048 and 16384 tokens; the `core` grid (the first policy at every ratio and budget
 plus the all-resident probe, the other policies at the budgets; `--grid full` runs every policy at
 every ratio); accelerate at the smallest token count only; a 420 s time budget split across the

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 
 import magi_core
-from magi_core.backend import Backend
 from magi_core.bench import analysis, measure
+from magi_core.bench.models import TransformerSpec
 from magi_core.bench.options import BenchOptions, Sizes
 from magi_core.bench.systems import Prepared, SystemSkipped, SystemSpec, cleanup, prepare
 from magi_core.bench.workloads import MLPShape, Workload, mlp_workload, transformer_workload
-from magi_core.models import TransformerSpec
-from magi_core.registry import get_backend
+from magi_core.plugin.facade import Backend
+from magi_core.plugin.manager import get_backend
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from magi_core.backend import Backend
 from magi_core.bench import magi_stats
 from magi_core.bench.workloads import Workload
+from magi_core.plugin.facade import Backend
 
 POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
 PEERS = ("diffusers", "accelerate")
@@ -99,7 +99,7 @@ def prepare_resident(workload: Workload, backend: Backend, compiled: bool, compi
 
 def magi_available() -> str | None:
     """None when ``magi_core.offload`` and ``OffloadConfig`` can be imported, else why not."""
-    for mod in ("magi_core.runtime.api", "magi_core.runtime.config"):
+    for mod in ("magi_core.api", "magi_core.config"):
         try:
             if importlib.util.find_spec(mod) is None:
                 return f"{mod} is not present in this magi-core build"
@@ -109,7 +109,7 @@ def magi_available() -> str | None:
 
 
 def _magi_config(spec: SystemSpec, weight_bytes: int) -> Any:
-    from magi_core.runtime.config import OffloadConfig
+    from magi_core.config import OffloadConfig
 
     assert spec.policy is not None, "magi configurations name a policy"
     if spec.budget_fraction is not None:
@@ -122,11 +122,10 @@ def prepare_magi(workload: Workload, backend: Backend, spec: SystemSpec) -> Prep
     why = magi_available()
     if why is not None:
         raise SystemSkipped(f"magi-core offload runtime missing: {why}")
-    from magi_core.runtime.api import offload
+    from magi_core.api import offload
 
     _reset_dynamo()
     config = _magi_config(spec, workload.weight_bytes)
-    watch = magi_stats.RuntimeWatch()
     t0 = time.perf_counter()
     model = offload(workload.fresh(), config, dynamic=False)
     backend.device_module.synchronize()
@@ -136,7 +135,7 @@ def prepare_magi(workload: Workload, backend: Backend, spec: SystemSpec) -> Prep
         magi_stats.release(model)
 
     return Prepared(_no_grad(model), setup, int(config.warmup_calls) + 1, info=magi_stats.static_info(model),
-                    close=close, stats=watch.step_info)
+                    close=close, stats=lambda: magi_stats.step_info(model))
 
 
 #: A 1-element host buffer the bench adds to a model that holds no weights outside its block lists (see below).

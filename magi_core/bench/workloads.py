@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from magi_core.models import SyntheticTransformer, TransformerSpec
+from magi_core.bench.models import SyntheticTransformer, TransformerSpec
 
 #: Elements of the random pool the base weights are tiled from.
 POOL_ELEMENTS = (1 << 24) + 4099  # not a multiple of a row length: repeats land shifted
@@ -140,7 +140,7 @@ def mlp_workload(shape: MLPShape, dtype: torch.dtype) -> Workload:
 
 
 def transformer_workload(spec: TransformerSpec) -> Workload:
-    """The synthetic transformer of :mod:`magi_core.models` (input shape ``(1, tokens, hidden)``)."""
+    """The synthetic transformer of :mod:`magi_core.bench.models` (input shape ``(1, tokens, hidden)``)."""
     return Workload("transformer", spec, spec.dtype, lambda: SyntheticTransformer(spec), lambda t: (1, t, spec.hidden))
 
 

@@ -30,13 +30,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from magi_core.backend import Backend
 from magi_core.errors import ConfigError, MagiError
 from magi_core.host import memstat, moves, pinning, shm
 from magi_core.host.arena import Entry, Layout, collect, fingerprint, fingerprints, plan
 from magi_core.host.config import HostOptions
 from magi_core.host.errors import HostStateError, WeightMismatchError
 from magi_core.host.topology import Coordinator, Topology, build_topology, node_key
+from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ def materialize(
         raise TypeError(f"materialize() takes an nn.Module, got {type(model).__name__}")
     opts = (options or HostOptions()).resolve()
     if backend is None:
-        from magi_core.registry import get_backend
+        from magi_core.plugin.manager import get_backend
 
         backend = get_backend()
     existing = _by_model.get(model)

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from magi_core.backend import Backend
 from magi_core.host.arena import PAGE
+from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
 

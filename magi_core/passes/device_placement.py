@@ -326,7 +326,7 @@ def place_on_device(
     fake value lost its ``nn.Parameter`` wrapping get it back. Idempotent; returns what changed.
     """
     if device is None or aliases is None:
-        from magi_core.registry import get_backend
+        from magi_core.plugin.manager import get_backend
 
         backend = get_backend()
         device = backend.device() if device is None else device

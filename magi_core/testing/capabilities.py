@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from magi_core.backend import Backend
+from magi_core.plugin.facade import Backend
 
 
 @functools.cache

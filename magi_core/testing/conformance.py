@@ -20,10 +20,10 @@ import sys
 import pytest
 import torch
 
-from magi_core.backend import Backend
 from magi_core.errors import HostRegisterError
-from magi_core.hookspecs import HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
-from magi_core.registry import BackendRecord
+from magi_core.plugin.facade import Backend
+from magi_core.plugin.manager import BackendRecord
+from magi_core.plugin.spec import HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
 from magi_core.testing.capabilities import allocation_problem
 
 #: Attributes a torch-style device module must offer.

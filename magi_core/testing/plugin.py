@@ -4,9 +4,9 @@ Fixtures (function scope, cheap after the first discovery):
 
 * ``magi_backend_name``: the ``--magi-backend`` value, or None for automatic selection. Override it in
   a test module to pin a backend (``return "cpu"``).
-* ``magi_backend``: the :class:`~magi_core.backend.Backend` facade, selected with
+* ``magi_backend``: the :class:`~magi_core.plugin.facade.Backend` facade, selected with
   :func:`magi_core.use_backend` when a name is given (automatic selection is restored afterwards).
-* ``magi_backend_record``: the selected backend's :class:`~magi_core.registry.BackendRecord`.
+* ``magi_backend_record``: the selected backend's :class:`~magi_core.plugin.manager.BackendRecord`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from magi_core.backend import Backend
-from magi_core.registry import REGISTRY, BackendRecord, get_backend, use_backend
+from magi_core.plugin.facade import Backend
+from magi_core.plugin.manager import REGISTRY, BackendRecord, get_backend, use_backend
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -56,7 +56,7 @@ def _fork_child_uses_device(device_type: str) -> str:
 
 def check(name: str | None) -> dict[str, Any]:
     """Discover, probe and select ``name`` (automatic when None); report initialisation and fork health."""
-    from magi_core.registry import REGISTRY, get_backend, use_backend
+    from magi_core.plugin.manager import REGISTRY, get_backend, use_backend
 
     records = REGISTRY.records()
     backend = use_backend(name) if name is not None else get_backend()

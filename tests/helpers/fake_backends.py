@@ -93,7 +93,7 @@ def backend_source(
         "magi_to_method_aliases": ("", "return ('to',)"),
     }
     parts = [
-        "from magi_core import cpu_device",
+        "from magi_core.plugin.cpu import device as cpu_device",
         "from magi_core.plugin import ProbeResult, hookimpl",
         "RANGES = {}",
         "STACK = []",
@@ -173,7 +173,7 @@ import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 import magi_core
 from magi_core.errors import BackendError
-from magi_core.registry import current_selection
+from magi_core.plugin.manager import current_selection
 out = {{}}
 try:
     b = {select}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from magi_core.cpu_backend import registered_ranges
+from magi_core.plugin.cpu import registered_ranges
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 WORKERS = Path(__file__).resolve().parent

@@ -23,9 +23,9 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from magi_core import get_backend
-from magi_core.cpu_backend import registered_ranges
 from magi_core.host import HostOptions, materialize
 from magi_core.host.memstat import process_memory
+from magi_core.plugin.cpu import registered_ranges
 
 
 class Model(nn.Module):

@@ -12,9 +12,9 @@ import sys
 import torch
 from magi_recording_backend import device
 
-from magi_core.models import TransformerSpec, build_transformer, example_input
-from magi_core.registry import get_backend
-from magi_core.runtime.compile_backend import live_runtimes
+from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.compile.handle import OffloadHandle
+from magi_core.plugin.manager import get_backend
 
 sys.path.insert(0, sys.argv[1])  # the tests directory
 from test_executor_models import TiedLM  # noqa: E402
@@ -46,7 +46,7 @@ def steady_facts(f, args, ex, base0: int) -> dict:
             expected += [(u, nbytes[w]) for w in acts.batches[b]]
     expected += [(n - 1, nbytes[w]) for b in acts.carry for w in acts.batches[b]]
     recorded_events = device.EVENT_STREAM
-    copy_stream = ex.copier.copy_stream.sid
+    copy_stream = ex.transfer.copy_stream.sid
     waits = [e for e in log if e[0] == "wait_event"]
     compute_waits = [w for w in waits if w[1] != copy_stream]
     copy_waits = [w for w in waits if w[1] == copy_stream]
@@ -89,10 +89,9 @@ def run(name: str, model: torch.nn.Module, args: tuple, policy: str, ratio: floa
     torch._dynamo.reset()
     gc.collect()
     base0 = device.memory_allocated()
-    f = torch.compile(
-        model, backend="magi_offload",
-        options={"policy": policy, "gpu_resident_weight_ratio": ratio, "unit_compiler": "eager", "warmup_calls": 2},
-    )
+    h = OffloadHandle(name)
+    f = torch.compile(model, backend=h.backend, options={
+        "policy": policy, "gpu_resident_weight_ratio": ratio, "unit_compiler": "eager", "warmup_calls": 2})
     with torch.no_grad():
         ref = model(*args)
     f(*args)
@@ -100,7 +99,7 @@ def run(name: str, model: torch.nn.Module, args: tuple, policy: str, ratio: floa
     device.LOG.clear()
     out = f(*args)  # first call with the static plan: resident weights copied here
     first = [e for e in device.LOG if e[0] == "copy"]
-    rt = live_runtimes()[-1]
+    rt = h.runtime
     ex = rt.executor
     facts1 = steady_facts(f, args, ex, base0)
     facts2 = steady_facts(f, args, ex, base0)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from magi_backend_cuda import ranges, runtime
 
-from magi_core import host_ranges
 from magi_core.errors import HostRegisterError
-from magi_core.registry import REGISTRY
+from magi_core.plugin import host_ranges
+from magi_core.plugin.manager import REGISTRY
 
 
 def _cuda_usable() -> bool:

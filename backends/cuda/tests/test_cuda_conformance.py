@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from magi_backend_cuda import runtime
 
-from magi_core.registry import REGISTRY
+from magi_core.plugin.manager import REGISTRY
 from magi_core.testing.conformance import *  # noqa: F403
 
 pytestmark = pytest.mark.accelerator

@@ -39,7 +39,7 @@ def test_probe_without_torch_musa_reports_why() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent("""
             import json
-            from magi_core.registry import REGISTRY, get_backend
+            from magi_core.plugin.manager import REGISTRY, get_backend
             rec = REGISTRY.records()["musa"]
             print(json.dumps({"available": rec.available, "why": rec.why_unavailable, "selected": get_backend().name}))
         """)],
@@ -56,7 +56,7 @@ def test_selection_picks_musa_when_a_device_is_visible() -> None:
     """Emulated: with a MUSA device visible, automatic selection picks musa; its device module is torch.musa."""
     proc = run_emulated("""
         import json, torch
-        from magi_core.registry import get_backend
+        from magi_core.plugin.manager import get_backend
         b = get_backend()
         print(json.dumps({"name": b.name, "by": b.selected_by, "type": b.device_type, "prio": b.priority,
                           "module": b.device_module is torch.musa, "init": torch.musa.is_initialized(),
@@ -71,7 +71,7 @@ def test_no_device_visible_falls_back_to_cpu_with_reason() -> None:
     """Emulated with zero devices: musa reports "no MUSA device visible" and cpu is selected."""
     proc = run_emulated("""
         import json
-        from magi_core.registry import REGISTRY, get_backend
+        from magi_core.plugin.manager import REGISTRY, get_backend
         rec = REGISTRY.records()["musa"]
         print(json.dumps({"available": rec.available, "why": rec.why_unavailable, "selected": get_backend().name}))
     """, env={"FAKE_MUSA_DEVICE_COUNT": "0"})
@@ -127,7 +127,7 @@ def test_never_the_cuda_runtime_even_with_torchada() -> None:
     """Emulated + torchada-like remap of torch.cuda: musa is selected, cuda refused, only musart is called."""
     proc = run_emulated("""
         import json, torch, torch_musa, torchada
-        from magi_core.registry import REGISTRY, get_backend
+        from magi_core.plugin.manager import REGISTRY, get_backend
         b = get_backend()
         x = torch.ones(256)
         b.host_register(x.data_ptr(), 1024)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from magi_core import cpu_device
+from magi_core.plugin.cpu import device as cpu_device
 
 LOG: list[tuple[Any, ...]] = []
 #: Stream id each event was last recorded on (kept across ``LOG.clear()``).

@@ -4,7 +4,7 @@ Prints one table row per run: the compiler that produced it, step time, the plan
 device memory, bytes streamed per step, achieved copy rate (bytes streamed / step time), and two norm-wise
 relative errors (||out - ref|| / ||ref||): against the resident run, and against a float32 reference.
 Every run gets the same device input (offloaded runs through
-:func:`~magi_core.runtime.api.compile_offloaded`), so no row pays for an input copy. Runs use Inductor's
+:func:`~magi_core.api.compile_offloaded`), so no row pays for an input copy. Runs use Inductor's
 default settings, as a user's would.
 
 The pass/fail gate. In float32, every run must match the resident run within 1e-5. In a low-precision dtype
@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
-from magi_core.models import SyntheticTransformer, TransformerSpec, build_transformer, example_input
-from magi_core.registry import get_backend
+from magi_core.bench.models import SyntheticTransformer, TransformerSpec, build_transformer, example_input
+from magi_core.plugin.manager import get_backend
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -165,10 +165,9 @@ def run_demo_with_references(
     args: argparse.Namespace, emit: Callable[[str], None] = print
 ) -> tuple[list[Row], References]:
     """Run every configuration; return the table rows and the references they were compared with."""
+    from magi_core.api import compile_offloaded
+    from magi_core.config import OffloadConfig
     from magi_core.host.materialize import materialize
-    from magi_core.runtime.api import compile_offloaded
-    from magi_core.runtime.compile_backend import live_runtimes
-    from magi_core.runtime.config import OffloadConfig
 
     backend = get_backend()
     dm = backend.device_module
@@ -241,13 +240,15 @@ def run_demo_with_references(
                     for _ in range(3):  # warm-up: look-ahead, profile, static plan
                         step_offloaded()
                     ms, out = _time(step_offloaded, args.steps, sync)
-                    ex = live_runtimes()[-1].executor
-                    streamed = ex.actions.streamed_bytes if ex.actions is not None else 0
-                    predicted = ex.plan.predicted_step_ms if ex.plan is not None else None
+                    assert f.handle is not None
+                    stats = f.handle.stats()[-1]
+                    streamed = stats.streamed_bytes_per_step or 0
+                    predicted = stats.predicted_step_ms
                     err, err32 = errors(out, ref)
                     rows.append(Row(f"{policy} r={ratio:g}", ms, int(dm.max_memory_allocated()), streamed,
                                     err, compiler, predicted, err32))
-                    del f, ex, out, step_offloaded  # free this run's resident weights before the next
+                    f.handle.release()  # free this run's resident weights before the next
+                    del f, out, step_offloaded
                     bar.update(1)
         finally:
             torch._dynamo.reset()

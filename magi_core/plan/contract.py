@@ -1,6 +1,6 @@
 """Inputs and output of the schedulers: per-unit profiles in, a static transfer plan out.
 
-Timing model shared by every scheduler, :func:`magi_core.runtime.schedulers.simulate` and the executor
+Timing model shared by every scheduler, :func:`magi_core.plan.simulate` and the executor
 (one compute stream, one serial copy stream, copies run in the order they are issued):
 
 * Unit ``i`` is *launched* when the compute stream has finished unit ``i - 1`` (step start for unit 0).
@@ -112,7 +112,7 @@ class Plan:
     plan) all of ``prefetch_at[-1]`` is issued at step start.
 
     ``predicted_step_ms`` / ``predicted_stall_ms``: steady-state step time and time the compute stream
-    waits for weights, from :func:`~magi_core.runtime.schedulers.simulate` at the planning bandwidth.
+    waits for weights, from :func:`~magi_core.plan.simulate` at the planning bandwidth.
     ``notes`` (numbers only): ``bandwidth_Bps`` (planning bandwidth, safety factor applied),
     ``resident_bytes``, ``streamed_bytes`` (per step), ``peak_device_bytes`` (predicted weights on the
     device at peak, activations excluded), ``resident_budget_bytes``.

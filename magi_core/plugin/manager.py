@@ -20,11 +20,10 @@ import importlib_metadata
 import pluggy
 import torch
 
-from magi_core import hookspecs
-from magi_core.backend import Backend
 from magi_core.errors import BackendError
-from magi_core.hookspecs import HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
-from magi_core.plugin import ENTRY_POINT_GROUP
+from magi_core.plugin import spec as hookspecs
+from magi_core.plugin.facade import Backend
+from magi_core.plugin.spec import ENTRY_POINT_GROUP, HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from magi_core.runtime.plan import Plan, UnitProfile
-from magi_core.runtime.schedulers.common import (
+from magi_core.plan.common import (
     assemble,
     fill,
     least_compute_per_byte,
@@ -14,9 +13,10 @@ from magi_core.runtime.schedulers.common import (
     plan_with_limits,
     planning_bandwidth,
 )
+from magi_core.plan.contract import Plan, UnitProfile
 
 if TYPE_CHECKING:
-    from magi_core.runtime.config import OffloadConfig
+    from magi_core.config import OffloadConfig
 
 
 def lookahead_plan(

@@ -1,6 +1,6 @@
-"""A discrete-event model of one step under a :class:`~magi_core.runtime.plan.Plan` (no device needed).
+"""A discrete-event model of one step under a :class:`~magi_core.plan.contract.Plan` (no device needed).
 
-It follows the timing model of :mod:`magi_core.runtime.plan`: one compute stream, one serial copy stream,
+It follows the timing model of :mod:`magi_core.plan.contract`: one compute stream, one serial copy stream,
 copies issued at unit launch points. Device bytes are resident weights plus streamed weights from the
 issue of their copy until the end of their last use (frees at an instant happen before new copies).
 """
@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from magi_core.runtime.plan import STEP_START, Plan, UnitProfile
+from magi_core.plan.contract import STEP_START, Plan, UnitProfile
 
 
 @dataclass(frozen=True)

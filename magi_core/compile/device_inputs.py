@@ -1,7 +1,7 @@
 """Device inputs for offloaded forwards: host proxies for Dynamo, and the map that swaps the real tensors back in.
 
 Dynamo fake-runs the user's eager code while tracing; a device input times a host weight fails there
-("found two different devices"), before any backend is called. :func:`~magi_core.runtime.api.offload`
+("found two different devices"), before any backend is called. :func:`~magi_core.api.offload`
 therefore calls the compiled forward through :class:`OffloadedForward`, which replaces every device tensor
 in the arguments by a cached, never-filled host *proxy* of the same shape, stride and dtype, and records
 ``{id(proxy): device_tensor}`` in a thread-local substitution map for the duration of the call. Dynamo traces
@@ -15,11 +15,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from magi_core.errors import MagiError
+
+if TYPE_CHECKING:
+    from magi_core.compile.handle import OffloadHandle
 
 _local = threading.local()
 
@@ -139,7 +142,7 @@ GRAPH_BREAK_HELP = (
 
 
 class OffloadedForward:
-    """The host-side forward :func:`~magi_core.runtime.api.offload` installs: device inputs in, proxies to Dynamo.
+    """The host-side forward :func:`~magi_core.api.offload` installs: device inputs in, proxies to Dynamo.
 
     ``compiled`` is the Dynamo-compiled ``_call_impl``; ``is_device`` says which tensors to replace (device
     tensors of the active backend). Graph breaks surface as a :class:`~magi_core.errors.MagiError`.
@@ -151,8 +154,11 @@ class OffloadedForward:
         is_device: Callable[[torch.Tensor], bool],
         model_name: str = "the model",
         pool: ProxyPool | None = None,
+        handle: OffloadHandle | None = None,
     ) -> None:
         self.compiled = compiled
+        #: The handle that owns what this forward compiles (its runtimes, the model's host weights).
+        self.handle = handle
         self.is_device = is_device
         self.model_name = model_name
         self.pool = pool if pool is not None else ProxyPool()
@@ -161,6 +167,8 @@ class OffloadedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replace device inputs by proxies, run the compiled forward with the substitution map set, restore."""
+        if self.handle is not None and self.handle.released:
+            self.handle.check_usable()
         subs: dict[int, torch.Tensor] = {}
         seen: dict[int, torch.Tensor] = {}
         used: dict[ProxyKey, int] = {}

@@ -1,4 +1,4 @@
-"""The warm-up state machine around an :class:`~magi_core.runtime.executor.OffloadExecutor`.
+"""The warm-up state machine around an :class:`~magi_core.execute.executor.OffloadExecutor`.
 
 With ``warmup_calls = w`` (config): calls ``1 .. w-1`` run a simple look-ahead plan (BASE, nothing
 resident); call ``w`` runs the same plan while a unit timer records each unit's compute on the compute
@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
-from magi_core.backend import Backend
-from magi_core.runtime.actions import unit_profiles
-from magi_core.runtime.config import OffloadConfig, Policy
-from magi_core.runtime.executor import OffloadExecutor
-from magi_core.runtime.plan import Plan, UnitProfile
+from magi_core.config import OffloadConfig, Policy
+from magi_core.execute.actions import unit_profiles
+from magi_core.execute.executor import OffloadExecutor
+from magi_core.execute.profiler import UnitTimer, broadcast_profiles, measure_h2d_bandwidth
+from magi_core.plan import build_plan
+from magi_core.plan.contract import Plan, UnitProfile
+from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +39,6 @@ def cached_bandwidth(backend: Backend, device: torch.device, config: OffloadConf
     key = (str(device), nbytes)
     with _bw_lock:
         if key not in _bw_cache:
-            from magi_core.runtime.profiler import measure_h2d_bandwidth
-
             _bw_cache[key] = float(measure_h2d_bandwidth(nbytes=nbytes, backend=backend, device=device))
             logger.info("magi offload: host-to-device bandwidth %.2f GB/s (%d B probe)", _bw_cache[key] / 1e9, nbytes)
         return _bw_cache[key]
@@ -46,9 +46,7 @@ def cached_bandwidth(backend: Backend, device: torch.device, config: OffloadConf
 
 def default_planner(profiles: Sequence[UnitProfile], bandwidth_Bps: float, config: OffloadConfig) -> Plan:
     """The registered scheduler for ``config.policy``."""
-    from magi_core.runtime.schedulers import make_plan
-
-    return make_plan(list(profiles), bandwidth_Bps, config)
+    return build_plan(list(profiles), bandwidth_Bps, config)
 
 
 class OffloadLifecycle:
@@ -77,14 +75,12 @@ class OffloadLifecycle:
             executor.set_plan(self.warmup_plan())
 
     def _default_timer(self, n_units: int) -> Any:
-        from magi_core.runtime.profiler import UnitTimer
-
         return UnitTimer(n_units, backend=self.executor.backend)
 
     def warmup_plan(self) -> Plan:
         """BASE look-ahead with nothing resident (weights in profile order, compute unknown)."""
         cfg = self.config.replace(policy=Policy.BASE, gpu_resident_weight_ratio=0.0, device_memory_budget_bytes=None)
-        profiles = unit_profiles(self.executor.units)
+        profiles = unit_profiles(self.executor.units, None, self.executor.transfer.nbytes)
         return self._planner(profiles, 1e9, cfg)
 
     @property
@@ -113,11 +109,9 @@ class OffloadLifecycle:
     def _install_static_plan(self) -> None:
         compute_ms = None
         if self._timer is not None:
-            from magi_core.runtime.profiler import broadcast_profiles
-
             compute_ms = broadcast_profiles([float(x) for x in self._timer.elapsed_ms()])
             self._timer = None
-        self.profiles = unit_profiles(self.executor.units, compute_ms)
+        self.profiles = unit_profiles(self.executor.units, compute_ms, self.executor.transfer.nbytes)
         self.bandwidth_Bps = self._bandwidth()
         plan = self._planner(self.profiles, self.bandwidth_Bps, self.config)
         actions = self.executor.set_plan(plan)

@@ -21,20 +21,22 @@ at least one full copy before the copy stream drains, so the next copy is always
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from magi_core.backend import Backend
+from magi_core.execute.actions import StepActions, build_actions
+from magi_core.execute.inputs import InputPreparer
+from magi_core.execute.program import build_program
+from magi_core.execute.residency import RESIDENT, ResidentSet, ResidentStore
+from magi_core.execute.transfer import PerTensorTransfer, WeightTransfer
+from magi_core.execute.unit_compile import UnitFn, unit_callable
 from magi_core.passes.units import SplitGraph
-from magi_core.runtime.actions import StepActions, build_actions
-from magi_core.runtime.inputs import InputPreparer
-from magi_core.runtime.plan import Plan
-from magi_core.runtime.program import build_program
-from magi_core.runtime.unit_compile import UnitFn, unit_callable
-from magi_core.runtime.weights import RESIDENT, CopyEngine, ResidentSet, ResidentStore
+from magi_core.plan.contract import Plan
+from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class StepStats:
 
     steps: int = 0
     streamed_copies: int = 0
+    #: ns the host blocked on the host-lead limit (counted only while ``measure_host_waits`` is set).
+    host_wait_ns: int = 0
 
 
 class OffloadExecutor:
@@ -81,6 +85,7 @@ class OffloadExecutor:
         unit_compiler: str = "eager",
         store: ResidentStore | None = None,
         direct_unit_calls: bool = True,
+        transfer: WeightTransfer | None = None,
     ) -> None:
         self.split = split
         self.backend = backend
@@ -91,7 +96,8 @@ class OffloadExecutor:
         weight_inputs = frozenset(w.input_index for u in split.units for w in u.weights) | frozenset(split.weights)
         self.weight_inputs = weight_inputs
         self.inputs = InputPreparer(device, self.program.n_inputs, sorted(weight_inputs))
-        self.copier = CopyEngine(backend, device)
+        #: Every weight copy goes through this (the transfer seam, :mod:`.transfer`).
+        self.transfer: WeightTransfer = transfer if transfer is not None else PerTensorTransfer(backend, device)
         dm = backend.device_module
         self._current_stream = dm.current_stream
         self._done = [dm.Event() for _ in range(self.n_units)]
@@ -114,6 +120,8 @@ class OffloadExecutor:
         self._range_names = tuple(f"magi.unit{u.index}:{getattr(u, 'label', '') or u.attr}" for u in split.units)
         self._carry: dict[int, _Carry] = {}
         self.stats = StepStats()
+        #: Count the time the host blocks before issuing copies in ``stats.host_wait_ns`` (diagnostics).
+        self.measure_host_waits = False
         self.plan: Plan | None = None
         self.actions: StepActions | None = None
         self.resident: ResidentSet | None = None
@@ -130,7 +138,7 @@ class OffloadExecutor:
     # -- plan -----------------------------------------------------------------------------------------
     def set_plan(self, plan: Plan) -> StepActions:
         """Install ``plan``: precompute its action lists and acquire its resident weights lazily."""
-        actions = build_actions(self.units, plan)
+        actions = build_actions(self.units, plan, self.transfer.nbytes)
         old = self.resident
         self.resident = ResidentSet(self._store, self.device, actions.resident)
         if old is not None:
@@ -184,7 +192,7 @@ class OffloadExecutor:
             env = self._template.copy()
             self.inputs.fill(args, env)
             compute = self._current_stream()
-            resident.fill(args, env, self.copier, compute)
+            resident.fill(args, env, self.transfer, compute)
             events: list[Any] = [None] * len(actions.batches)
             self._start(args, env, events, actions)
             self._units(args, env, events, actions, compute, timer)
@@ -208,7 +216,7 @@ class OffloadExecutor:
 
     def _issue(self, b: int, args: Sequence[Any], env: list[Any], events: list[Any], batches: Any) -> None:
         ws = batches[b]
-        devs, ev = self.copier.copy_batch([args[w] for w in ws], self._batch_events[b])
+        devs, ev = self.transfer.fetch([args[w] for w in ws], self._batch_events[b])
         for w, t in zip(ws, devs, strict=True):
             env[w] = t
         events[b] = ev
@@ -216,7 +224,7 @@ class OffloadExecutor:
     def _issue_carry(self, args: Sequence[Any], actions: StepActions) -> None:
         for b in actions.carry:
             hosts = [args[w] for w in actions.batches[b]]
-            devs, ev = self.copier.copy_batch(hosts, self._carry_events[b])
+            devs, ev = self.transfer.fetch(hosts, self._carry_events[b])
             self._carry[b] = _Carry(hosts, [h.data_ptr() for h in hosts], devs, ev)
 
     def _units(
@@ -233,18 +241,24 @@ class OffloadExecutor:
         done = self._done
         launch = self._launch
         gate = self._gate
-        copy_wait = self.copier.copy_stream.wait_event
+        copy_wait = self.transfer.copy_stream.wait_event
         sync_before = self._sync_before
         record_done = self._record_done
         batches = actions.batches
-        release = self.copier.release if self.copier.needs_release else None
+        release = self.transfer.release
         range_push, range_pop = self._ranges
         names = self._range_names
         last = self.n_units - 1
+        timed_waits = self.measure_host_waits
         for u, lay in enumerate(layouts):
             issue = actions.issue[u]
             if sync_before[u] >= 0:
-                done[sync_before[u]].synchronize()
+                if timed_waits:
+                    t0 = time.perf_counter_ns()
+                    done[sync_before[u]].synchronize()
+                    self.stats.host_wait_ns += time.perf_counter_ns() - t0
+                else:
+                    done[sync_before[u]].synchronize()
             if gate[u]:  # these copies start on the device no earlier than unit u
                 launch[u].record(compute)
                 copy_wait(launch[u])
@@ -268,9 +282,8 @@ class OffloadExecutor:
             for idx, dst in lay.getitems:
                 env[dst] = result[idx]
             for w in actions.free[u]:
-                if release is not None:
-                    release(env[w], compute)
+                release(env[w], compute)
                 env[w] = None
             for s in lay.drop_after:
                 env[s] = None
-        self.stats.streamed_copies = self.copier.copies
+        self.stats.streamed_copies = self.transfer.copies

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from magi_core.backend import Backend
 from magi_core.errors import ConfigError
+from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
 

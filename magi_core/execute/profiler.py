@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from magi_core.backend import Backend
+from magi_core.config import OffloadConfig
 from magi_core.errors import ConfigError, MagiError
-from magi_core.registry import get_backend
-from magi_core.runtime.config import OffloadConfig
+from magi_core.plugin.facade import Backend
+from magi_core.plugin.manager import get_backend
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import importlib_metadata
 
 from magi_core.errors import ConfigError
-from magi_core.runtime.plan import Plan, UnitProfile
-from magi_core.runtime.schedulers.heuristic import HeuristicScheduler
-from magi_core.runtime.schedulers.lookahead import BaseScheduler, CostEffectiveScheduler
+from magi_core.plan.contract import Plan, UnitProfile
+from magi_core.plan.heuristic import HeuristicScheduler
+from magi_core.plan.lookahead import BaseScheduler, CostEffectiveScheduler
 
 if TYPE_CHECKING:
-    from magi_core.runtime.config import OffloadConfig
+    from magi_core.config import OffloadConfig
 
 logger = logging.getLogger(__name__)
 

@@ -2,39 +2,33 @@
 
 ``torch.compile(model, backend="magi_offload", options={...})`` calls :func:`magi_offload_backend` with
 ``options=`` as a keyword (torch 2.x passes non-empty ``options``, and ``mode`` when not "default", to
-every registered backend). Options are :class:`~magi_core.runtime.config.OffloadConfig` fields, plus
+every registered backend). Options are :class:`~magi_core.config.OffloadConfig` fields, plus
 ``"config"`` (an ``OffloadConfig`` to start from); ``MAGI_OFFLOAD_*`` environment variables override both.
 
 Inputs must be on the host on this path: Dynamo fake-runs the model's code with its (host) weights before
 any backend is called, so a device input fails inside Dynamo ("found two different devices"), and so does
 every graph after a graph break (its inputs are device outputs). For device inputs use
-:func:`magi_core.runtime.api.offload` (``magi_core.offload``), which hands Dynamo host proxies of device
+:func:`magi_core.api.offload` (``magi_core.offload``), which hands Dynamo host proxies of device
 tensors and compiles one graph; this backend's input preparation swaps the device tensors back in.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
+from magi_core.compile.device_branches import warn_device_branches
+from magi_core.compile.lifecycle import OffloadLifecycle
+from magi_core.config import OffloadConfig, resolve_config
 from magi_core.errors import ConfigError
-from magi_core.registry import get_backend
-from magi_core.runtime.config import OffloadConfig, resolve_config
-from magi_core.runtime.device_branches import warn_device_branches
-from magi_core.runtime.executor import OffloadExecutor
-from magi_core.runtime.lifecycle import OffloadLifecycle
+from magi_core.execute.executor import OffloadExecutor
+from magi_core.plugin.manager import get_backend
 
 logger = logging.getLogger(__name__)
-
-_runtimes: list[weakref.ref[OffloadLifecycle]] = []
-#: How many graphs this backend compiled in this process (one per Dynamo compile).
-COMPILE_COUNT = 0
-
 
 def config_from_options(options: Mapping[str, Any] | OffloadConfig | None) -> OffloadConfig:
     """The effective config from ``torch.compile`` options (``"config"`` key, fields) and the environment."""
@@ -79,20 +73,10 @@ def magi_offload_backend(
     options: Mapping[str, Any] | OffloadConfig | None = None,
     mode: str | None = None,
     **kwargs: Any,
-) -> Callable[..., Any]:
+) -> OffloadLifecycle:
     """torch.compile backend: run ``gm`` with its weights streamed from host memory to the accelerator."""
-    global COMPILE_COUNT
     if mode is not None:
         logger.warning("magi_offload ignores torch.compile(mode=%r); use options={...} instead", mode)
     if kwargs:
         logger.warning("magi_offload ignores unknown backend arguments %s", sorted(kwargs))
-    runtime = build_runtime(gm, example_inputs, config_from_options(options))
-    COMPILE_COUNT += 1
-    _runtimes[:] = [r for r in _runtimes if r() is not None]
-    _runtimes.append(weakref.ref(runtime))
-    return runtime
-
-
-def live_runtimes() -> list[OffloadLifecycle]:
-    """Offload runtimes this process compiled that are still alive (for stats and tests)."""
-    return [r for r in (ref() for ref in _runtimes) if r is not None]
+    return build_runtime(gm, example_inputs, config_from_options(options))

@@ -1,4 +1,4 @@
-"""Per-unit action lists precomputed from a :class:`~magi_core.runtime.plan.Plan` (pure, no device).
+"""Per-unit action lists precomputed from a :class:`~magi_core.plan.contract.Plan` (pure, no device).
 
 The executor's hot loop only walks these tuples: which copy batches to issue before a unit, which copy
 events the compute stream waits on, and which streamed weights to free after it.
@@ -6,10 +6,14 @@ events the compute stream waits on, and which streamed weights to free after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from magi_core.passes.units import OffloadUnit
-from magi_core.runtime.plan import Plan, UnitProfile
+from magi_core.plan.contract import Plan, UnitProfile
+
+#: What moving weights of these sizes together costs in bytes (``WeightTransfer.nbytes``).
+BytesFn = Callable[[Sequence[int]], int]
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,11 @@ class StepActions:
         return order
 
 
-def build_actions(units: list[OffloadUnit], plan: Plan) -> StepActions:
-    """Turn ``plan`` into per-unit action lists; units the plan never prefetches are copied on demand."""
+def build_actions(units: list[OffloadUnit], plan: Plan, transfer_bytes: BytesFn = sum) -> StepActions:
+    """Turn ``plan`` into per-unit action lists; units the plan never prefetches are copied on demand.
+
+    ``transfer_bytes`` (the transfer's ``nbytes``) says what each copy batch moves.
+    """
     n = len(units)
     owner = weight_owners(units)
     resident_w: dict[int, int] = {}
@@ -117,7 +124,7 @@ def build_actions(units: list[OffloadUnit], plan: Plan) -> StepActions:
         issue=tuple(issue),
         wait=tuple(wait),
         free=tuple(tuple(sorted(f)) for f in free),
-        streamed_bytes=sum(nbytes[w] for w in batch_of),
+        streamed_bytes=sum(transfer_bytes([nbytes[w] for w in ws]) for ws in batches),
         resident_bytes=sum(resident_w.values()),
     )
 
@@ -131,21 +138,26 @@ def weight_owners(units: list[OffloadUnit]) -> dict[int, int]:
     return owner
 
 
-def unit_profiles(units: list[OffloadUnit], compute_ms: list[float] | None = None) -> list[UnitProfile]:
-    """Scheduler profiles: bytes attributed to each weight's first user, alive until its last user."""
+def unit_profiles(
+    units: list[OffloadUnit], compute_ms: list[float] | None = None, transfer_bytes: BytesFn = sum
+) -> list[UnitProfile]:
+    """Scheduler profiles: bytes attributed to each weight's first user, alive until its last user.
+
+    ``transfer_bytes`` (the transfer's ``nbytes``) says what moving a unit's weights together costs.
+    """
     owner = weight_owners(units)
-    nbytes = [0] * len(units)
+    sizes: list[list[int]] = [[] for _ in units]
     last = list(range(len(units)))
     for u in units:
         for w in u.weights:
             o = owner[w.input_index]
             if o == u.index:
-                nbytes[o] += w.nbytes
+                sizes[o].append(w.nbytes)
             last[o] = max(last[o], u.index)
     return [
         UnitProfile(
             index=i,
-            weight_bytes=nbytes[i],
+            weight_bytes=transfer_bytes(sizes[i]) if sizes[i] else 0,
             compute_ms=float(compute_ms[i]) if compute_ms is not None else 0.0,
             last_use=last[i] if last[i] != i else None,
         )

@@ -1,6 +1,6 @@
 """Input preparation: non-weight graph inputs to the device, lifted 0-dim host scalars left on the host.
 
-Inside an :func:`~magi_core.runtime.api.offload` call, graph inputs that are host proxies of device tensors
+Inside an :func:`~magi_core.api.offload` call, graph inputs that are host proxies of device tensors
 (:mod:`.device_inputs`) are replaced by those device tensors: one dict look-up per non-weight input, no copy.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from magi_core.runtime.device_inputs import current_substitutions
+from magi_core.compile.device_inputs import current_substitutions
 
 
 def is_host_scalar(t: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Pure planning: turn per-unit profiles and the measured bandwidth into a :class:`~magi_core.runtime.plan.Plan`.
+"""Pure planning: turn per-unit profiles and the measured bandwidth into a :class:`~magi_core.plan.contract.Plan`.
 
 Policies: BASE and COST_EFFECTIVE (:mod:`.lookahead`), HEURISTIC (:mod:`.heuristic`), and any added through
 :func:`register_policy` or the ``magi.policies`` entry-point group. :func:`simulate` predicts a plan's
@@ -10,16 +10,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from magi_core.runtime.plan import Plan, UnitProfile
-from magi_core.runtime.schedulers.common import planning_bandwidth, ratio_cap
-from magi_core.runtime.schedulers.heuristic import (
+from magi_core.plan.common import planning_bandwidth, ratio_cap
+from magi_core.plan.contract import Plan, UnitProfile
+from magi_core.plan.heuristic import (
     HeuristicScheduler,
     best_step_ms,
     heuristic_plan,
     stall_removing_residency,
 )
-from magi_core.runtime.schedulers.lookahead import BaseScheduler, CostEffectiveScheduler, lookahead_plan
-from magi_core.runtime.schedulers.registry import (
+from magi_core.plan.lookahead import BaseScheduler, CostEffectiveScheduler, lookahead_plan
+from magi_core.plan.registry import (
     POLICY_ENTRY_POINT_GROUP,
     Scheduler,
     SchedulerFactory,
@@ -29,10 +29,10 @@ from magi_core.runtime.schedulers.registry import (
     reload_policies,
     unregister_policy,
 )
-from magi_core.runtime.schedulers.simulate import SimResult, simulate, transfer_ms
+from magi_core.plan.simulate import SimResult, simulate, transfer_ms
 
 if TYPE_CHECKING:
-    from magi_core.runtime.config import OffloadConfig
+    from magi_core.config import OffloadConfig
 
 
 def build_plan(profiles: Sequence[UnitProfile], bandwidth_Bps: float, config: OffloadConfig) -> Plan:

@@ -7,10 +7,8 @@ from types import ModuleType
 
 import torch
 
-from magi_core import cpu_device
-from magi_core.hookspecs import ProbeResult
-from magi_core.host_ranges import SUCCESS, HostRangeTable
-from magi_core.plugin import hookimpl
+from magi_core.plugin import SUCCESS, HostRangeTable, ProbeResult, hookimpl
+from magi_core.plugin.cpu import device as cpu_device
 
 #: Host memory needs no pinning for host compute: the table checks ranges and keeps the bookkeeping.
 _TABLE = HostRangeTable("cpu", register=lambda ptr, nbytes: SUCCESS, unregister=lambda ptr: SUCCESS)

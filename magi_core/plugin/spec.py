@@ -15,6 +15,8 @@ from types import ModuleType
 import pluggy
 
 PROJECT = "magi"
+#: The entry-point group backends register under; the entry point's name is the backend's name.
+ENTRY_POINT_GROUP = "magi.backends"
 #: Version of this hook specification (major.minor). Backends list the majors they support.
 HOOKSPEC_VERSION = "1.0"
 #: Hooks a backend must implement; the rest are optional with documented defaults.
@@ -80,4 +82,4 @@ def magi_to_method_aliases() -> Sequence[str]:
     """Return the method names under which ``Tensor.to`` appears in traced graphs (optional; default ``("to",)``)."""
 
 
-__all__ = ["HOOKSPEC_VERSION", "PROJECT", "REQUIRED_HOOKS", "ProbeResult", "hookspec"]
+__all__ = ["ENTRY_POINT_GROUP", "HOOKSPEC_VERSION", "PROJECT", "REQUIRED_HOOKS", "ProbeResult", "hookspec"]

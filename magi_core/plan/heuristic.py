@@ -22,8 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from magi_core.runtime.plan import STEP_START, Plan, UnitProfile
-from magi_core.runtime.schedulers.common import (
+from magi_core.plan.common import (
     assemble,
     fill,
     least_compute_per_byte,
@@ -33,11 +32,12 @@ from magi_core.runtime.schedulers.common import (
     planning_bandwidth,
     streamed_units,
 )
-from magi_core.runtime.schedulers.lookahead import lookahead_plan
-from magi_core.runtime.schedulers.simulate import simulate, transfer_ms
+from magi_core.plan.contract import STEP_START, Plan, UnitProfile
+from magi_core.plan.lookahead import lookahead_plan
+from magi_core.plan.simulate import simulate, transfer_ms
 
 if TYPE_CHECKING:
-    from magi_core.runtime.config import OffloadConfig
+    from magi_core.config import OffloadConfig
 
 #: Position meaning "issued during the previous step's last unit" (``Plan.next_step``), internal only.
 _PREVIOUS_STEP = -2

@@ -51,13 +51,13 @@ def normalize_policy(value: Policy | str) -> Policy | str:
     name = value.strip().upper().replace("-", "_")
     if name in Policy.__members__:
         return Policy[name]
-    from magi_core.runtime.schedulers.registry import known_policies  # noqa: PLC0415 (avoid an import cycle)
+    from magi_core.plan.registry import known_policies  # noqa: PLC0415 (avoid an import cycle)
 
     known = known_policies()
     if name not in known:
         raise ConfigError(
             f"OffloadConfig.policy: unknown policy {value!r}; known policies: {', '.join(known)} "
-            "(plugins add policies with magi_core.runtime.schedulers.register_policy or the 'magi.policies' "
+            "(plugins add policies with magi_core.plan.register_policy or the 'magi.policies' "
             "entry-point group)"
         )
     return name
@@ -81,7 +81,7 @@ class OffloadConfig:
     second profiles). ``max_unit_bytes``: split units whose weights exceed this many bytes (None: no limit).
     ``bandwidth_probe_bytes``: size of the H2D bandwidth probe (None: 1 GiB on accelerators, 16 MiB on CPU).
     ``direct_unit_calls``: call each Inductor unit's generated code without the Dynamo / AOT wrapper layers
-    (verified per unit on its first call, see :func:`magi_core.runtime.unit_compile.direct_call`); False
+    (verified per unit on its first call, see :func:`magi_core.execute.unit_compile.direct_call`); False
     keeps the wrapped calls (``MAGI_OFFLOAD_DIRECT_UNIT_CALLS=0``).
     """
 

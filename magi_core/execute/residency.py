@@ -1,8 +1,7 @@
-"""Device copies of host weights: streamed copy batches on a copy stream, and the shared resident store.
+"""Resident weights: device copies kept across steps, shared by every executor of the process.
 
-Streamed weights are allocated on the copy stream and, after their last user, handed back with
-``record_stream(t, compute_stream)`` so the allocator reuses them only when the compute stream is done.
-Resident weights are copied once per host tensor and shared by every executor in the process (one per
+Resident weights are copied once per host tensor (through the executor's
+:class:`~magi_core.execute.transfer.WeightTransfer`) and shared by every executor in the process (one per
 input shape); they are re-copied when the host tensor passed in changes identity.
 """
 
@@ -16,45 +15,7 @@ from typing import Any
 
 import torch
 
-from magi_core.backend import Backend
-
-
-class CopyEngine:
-    """Issues host-to-device weight copies on a dedicated copy stream, one event per batch."""
-
-    def __init__(self, backend: Backend, device: torch.device) -> None:
-        dm = backend.device_module
-        self.device = device
-        self.copy_stream = dm.Stream()
-        self._stream_ctx = dm.stream
-        self._event = dm.Event
-        self._record_stream = backend.record_stream
-        #: False on the host backend: nothing to hand back to a device allocator.
-        self.needs_release = backend.is_accelerator
-        self.copies = 0
-
-    def copy_batch(self, hosts: list[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
-        """Copy ``hosts`` to the device on the copy stream (non-blocking); return the copies and their event.
-
-        ``event`` (optional) is re-recorded instead of creating one: the executor keeps one per copy batch.
-        """
-        device = self.device
-        with self._stream_ctx(self.copy_stream):
-            outs = [h.to(device, non_blocking=True) for h in hosts]
-            ev = self._event() if event is None else event
-            ev.record(self.copy_stream)
-        self.copies += len(hosts)
-        return outs, ev
-
-    def copy_now(self, host: torch.Tensor, compute_stream: Any) -> torch.Tensor:
-        """Copy one weight on the copy stream and make ``compute_stream`` wait for it (resident weights)."""
-        (dev,), ev = self.copy_batch([host])
-        compute_stream.wait_event(ev)
-        return dev
-
-    def release(self, t: torch.Tensor, compute_stream: Any) -> None:
-        """Hand a streamed weight back to the allocator once ``compute_stream`` is done with it."""
-        self._record_stream(t, compute_stream)
+from magi_core.execute.transfer import WeightTransfer
 
 
 @dataclass
@@ -127,7 +88,7 @@ class ResidentSet:
         self._ptrs: list[int] = [0] * len(indices)
         self.copies = 0
 
-    def fill(self, args: Sequence[Any], env: list[Any], copier: CopyEngine, compute_stream: Any) -> None:
+    def fill(self, args: Sequence[Any], env: list[Any], copier: WeightTransfer, compute_stream: Any) -> None:
         """Put every resident weight's device copy into ``env`` (copying only when the host tensor changed)."""
         hosts, devs, ptrs = self._hosts, self._devs, self._ptrs
         for k, i in enumerate(self.indices):
@@ -135,7 +96,7 @@ class ResidentSet:
             if h is not hosts[k] or h.data_ptr() != ptrs[k]:
                 if hosts[k] is not None:
                     self._store.release(id(hosts[k]), ptrs[k], self._device)
-                devs[k] = self._store.acquire(h, self._device, lambda t: copier.copy_now(t, compute_stream))
+                devs[k] = self._store.acquire(h, self._device, lambda t: copier.fetch_now(t, compute_stream))
                 hosts[k] = h
                 ptrs[k] = h.data_ptr()
                 self.copies += 1

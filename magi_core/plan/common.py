@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from magi_core.errors import ConfigError
-from magi_core.runtime.plan import STEP_START, Plan, UnitProfile, check_profiles
-from magi_core.runtime.schedulers.simulate import simulate
+from magi_core.plan.contract import STEP_START, Plan, UnitProfile, check_profiles
+from magi_core.plan.simulate import simulate
 
 if TYPE_CHECKING:
-    from magi_core.runtime.config import OffloadConfig
+    from magi_core.config import OffloadConfig
 
 logger = logging.getLogger(__name__)
 _MAX_FIT_ROUNDS = 64

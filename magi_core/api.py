@@ -1,0 +1,124 @@
+"""The public entry points: :func:`offload` a model, reach its :func:`handle`, :func:`release` it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from magi_core.compile.device_inputs import OffloadedForward
+from magi_core.compile.handle import OffloadHandle
+from magi_core.config import OffloadConfig, resolve_config
+from magi_core.errors import ConfigError, MagiError
+from magi_core.host.materialize import materialize
+from magi_core.plugin.manager import get_backend
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=nn.Module)
+_HANDLE_ATTR = "_magi_offload_handle"
+
+
+def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any = None, **compile_kwargs: Any) -> M:
+    """Materialise ``model``'s weights in host memory and make its forward run through the offload backend.
+
+    Returns the same module (type, parameters and ``state_dict`` unchanged; parameters now live in
+    exact-size host arenas registered in place, and ``model.to(device)`` leaves them there). Inputs may be
+    on the host or the device (device inputs are never copied: Dynamo sees host proxies of them, see
+    :mod:`magi_core.compile.device_inputs`); outputs are on the device. The forward must compile to one
+    graph (``fullgraph=True``); a graph break raises :class:`~magi_core.errors.MagiError` saying how to fix
+    it. ``host_options`` (a :class:`~magi_core.host.HostOptions`) are passed to
+    :func:`magi_core.host.materialize`; ``compile_kwargs`` (e.g. ``dynamic=False``) to :func:`torch.compile`.
+    :func:`handle` gives the model's :class:`~magi_core.compile.handle.OffloadHandle`. Inference only: the
+    offloaded forward runs without autograd.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload() takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model.__dict__.get(_HANDLE_ATTR), OffloadHandle) and not model.__dict__[_HANDLE_ATTR].released:
+        raise MagiError(f"{type(model).__name__} is already offloaded; magi_core.release(model) it first")
+    _check_compile_kwargs(compile_kwargs)  # before any host work
+    cfg = resolve_config(config)
+    h = OffloadHandle(type(model).__name__, cfg)
+    h.host = materialize(model, options=host_options)
+    try:
+        # nn.Module.__call__ runs ``_compiled_call_impl`` when set: exactly what ``nn.Module.compile`` installs,
+        # here behind the host-side wrapper that hands Dynamo host proxies for device inputs.
+        h.forward = compile_offloaded(model._call_impl, cfg, name=h.name, handle=h, **compile_kwargs)
+    except BaseException:
+        h.release(restore=True)
+        raise
+    model._compiled_call_impl = h.forward
+    model.__dict__[_HANDLE_ATTR] = h
+    logger.info("magi offload: %s forward runs through magi_offload (%s)", h.name, cfg.to_dict())
+    return model
+
+
+def compile_offloaded(
+    fn: Callable[..., Any],
+    config: OffloadConfig | None = None,
+    *,
+    name: str | None = None,
+    handle: OffloadHandle | None = None,
+    **compile_kwargs: Any,
+) -> OffloadedForward:
+    """``fn`` (a module or function whose weights are already on the host) compiled through ``magi_offload``.
+
+    One graph (``fullgraph=True``), called through :class:`~magi_core.compile.device_inputs.OffloadedForward`
+    so device inputs work; weights are left as they are (:func:`offload` also materialises them). The runtimes
+    it compiles are recorded in ``handle`` (a new one when None: ``forward.handle``).
+    """
+    _check_compile_kwargs(compile_kwargs)
+    compile_kwargs["fullgraph"] = True
+    label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+    cfg = resolve_config(config)
+    h = handle if handle is not None else OffloadHandle(label, cfg)
+    options: dict[str, Any] = {"config": cfg}
+    compiled = torch.compile(fn, backend=h.backend, options=options, **compile_kwargs)
+    backend = get_backend()
+    return OffloadedForward(compiled, _device_predicate(backend.device_type, backend.is_accelerator),
+                            model_name=label, handle=h)
+
+
+def _check_compile_kwargs(compile_kwargs: dict[str, Any]) -> None:
+    if compile_kwargs.get("fullgraph", True) is not True:
+        raise ConfigError(
+            "offload compiles the forward with fullgraph=True (device inputs and host weights cannot meet in "
+            "eager code between graphs); drop fullgraph=False, or use torch.compile(model, backend='magi_offload') "
+            "with host inputs"
+        )
+    if "backend" in compile_kwargs or "options" in compile_kwargs:
+        raise ConfigError("offload sets torch.compile's backend and options itself; pass an OffloadConfig instead")
+
+
+def _device_predicate(device_type: str, is_accelerator: bool) -> Any:
+    if not is_accelerator:
+        return lambda t: False  # host backend: every tensor is already where the executor computes
+    return lambda t: t.device.type == device_type
+
+
+def handle(model: nn.Module) -> OffloadHandle:
+    """The :class:`~magi_core.compile.handle.OffloadHandle` :func:`offload` attached to ``model``."""
+    h = model.__dict__.get(_HANDLE_ATTR)
+    if not isinstance(h, OffloadHandle):
+        raise MagiError(f"{type(model).__name__} is not offloaded; call magi_core.offload(model) first")
+    return h
+
+
+def release(model: nn.Module, *, restore: bool = False) -> None:
+    """Free what :func:`offload` made: resident device copies, registered host ranges, host mappings.
+
+    ``restore=True`` copies the weights back into ordinary host memory and gives the model its plain eager
+    forward back; otherwise the model is unusable afterwards (calling it raises). A model that is not
+    offloaded is left alone.
+    """
+    h = model.__dict__.get(_HANDLE_ATTR)
+    if not isinstance(h, OffloadHandle):
+        return
+    h.release(restore=restore)
+    if restore:
+        model.__dict__.pop(_HANDLE_ATTR, None)
+        if model.__dict__.get("_compiled_call_impl") is h.forward:
+            model._compiled_call_impl = None

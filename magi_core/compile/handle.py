@@ -1,0 +1,165 @@
+"""The offload handle: the one object that owns what offloading made for a model, and its statistics.
+
+:func:`magi_core.offload` attaches an :class:`OffloadHandle` to the model (``magi_core.handle(model)``). It
+holds the host weights, the Dynamo backend bound to this model (:attr:`OffloadHandle.backend`), the runtimes
+that backend compiled (one per graph Dynamo hands it: input shapes, guards) and their figures.
+:meth:`OffloadHandle.release` frees everything: the resident device copies of every runtime, the registered
+host ranges and the host mappings. Nothing is kept in module-level lists.
+
+``torch.compile(model, backend=h.backend, options={...})`` with a fresh ``OffloadHandle()`` gives the same
+view for a model compiled by hand (``backend="magi_offload"`` compiles without a handle).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.fx
+
+from magi_core.compile.backend import magi_offload_backend
+from magi_core.errors import MagiError
+
+if TYPE_CHECKING:
+    from magi_core.compile.device_inputs import OffloadedForward
+    from magi_core.compile.lifecycle import OffloadLifecycle
+    from magi_core.config import OffloadConfig
+    from magi_core.host.materialize import HostWeights
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    """Figures of one compiled runtime (one Dynamo graph) at the time they were read."""
+
+    units: int
+    phase: str
+    steps: int
+    policy: str | None
+    resident_bytes: int | None
+    streamed_bytes_per_step: int | None
+    streamed_bytes_total: int
+    weight_copies: int
+    predicted_step_ms: float | None
+    predicted_stall_ms: float | None
+    bandwidth_GBps: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values, for JSON."""
+        return asdict(self)
+
+
+class OffloadHandle:
+    """What offloading made for one model: host weights, compiled runtimes and their statistics."""
+
+    def __init__(self, name: str = "model", config: OffloadConfig | None = None) -> None:
+        self.name = name
+        self.config = config
+        #: The model's weights in host memory (``None`` when the handle only tracks a hand-compiled model).
+        self.host: HostWeights | None = None
+        #: The host-side forward ``offload`` installed on the model.
+        self.forward: OffloadedForward | None = None
+        self.released = False
+        self._lock = threading.Lock()
+        self._runtimes: list[weakref.ref[OffloadLifecycle]] = []
+        self._compiles = 0
+        self.backend = _BoundBackend(self)
+
+    # -- runtimes ----------------------------------------------------------------------------------
+    def add_runtime(self, runtime: OffloadLifecycle) -> None:
+        """Record a runtime the bound backend compiled (weakly: Dynamo's cache owns it)."""
+        with self._lock:
+            self._compiles += 1
+            self._runtimes = [r for r in self._runtimes if r() is not None]
+            self._runtimes.append(weakref.ref(runtime))
+
+    @property
+    def runtimes(self) -> list[OffloadLifecycle]:
+        """The runtimes compiled for this model that are still alive, oldest first."""
+        with self._lock:
+            return [r for r in (ref() for ref in self._runtimes) if r is not None]
+
+    @property
+    def runtime(self) -> OffloadLifecycle:
+        """The most recently compiled live runtime (the one serving the last new input shape)."""
+        live = self.runtimes
+        if not live:
+            raise MagiError(f"{self.name}: nothing compiled yet; call the offloaded model once first")
+        return live[-1]
+
+    @property
+    def compile_count(self) -> int:
+        """How many graphs were compiled for this model (recompiles included)."""
+        return self._compiles
+
+    def stats(self) -> list[RuntimeStats]:
+        """Figures of every live runtime, oldest first."""
+        return [runtime_stats(r) for r in self.runtimes]
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def check_usable(self) -> None:
+        """Raise a clear error once the handle was released."""
+        if self.released:
+            raise MagiError(
+                f"{self.name} was released with magi_core.release(); its weights are gone. Offload a fresh model, "
+                "or release with restore=True to keep using it on the host"
+            )
+
+    def release(self, *, restore: bool = False) -> None:
+        """Free the device copies of every runtime, then unpin and unmap the host weights (idempotent)."""
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+            live = [r for r in (ref() for ref in self._runtimes) if r is not None]
+        for runtime in live:
+            runtime.close()
+        if self.host is not None:
+            self.host.release(restore=restore)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{len(self.runtimes)} runtime(s), {self._compiles} compile(s)"
+        return f"OffloadHandle({self.name!r}, {state})"
+
+
+class _BoundBackend:
+    """The ``magi_offload`` Dynamo backend bound to one handle: every runtime it compiles is recorded there."""
+
+    __name__ = "magi_offload"
+
+    def __init__(self, handle: OffloadHandle) -> None:
+        self._handle = weakref.ref(handle)
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Callable[..., Any]:
+        handle = self._handle()
+        if handle is not None:
+            handle.check_usable()
+        runtime = magi_offload_backend(gm, example_inputs, options, **kwargs)
+        if handle is not None:
+            handle.add_runtime(runtime)
+        return runtime
+
+
+def runtime_stats(runtime: OffloadLifecycle) -> RuntimeStats:
+    """The figures of one runtime now."""
+    ex = runtime.executor
+    actions = ex.actions
+    plan = runtime.plan
+    return RuntimeStats(
+        units=ex.n_units,
+        phase=runtime.phase,
+        steps=ex.stats.steps,
+        policy=None if plan is None else str(plan.policy),
+        resident_bytes=None if actions is None else int(actions.resident_bytes),
+        streamed_bytes_per_step=None if actions is None else int(actions.streamed_bytes),
+        streamed_bytes_total=int(ex.transfer.bytes_copied),
+        weight_copies=int(ex.transfer.copies),
+        predicted_step_ms=None if plan is None else plan.predicted_step_ms,
+        predicted_stall_ms=None if plan is None else plan.predicted_stall_ms,
+        bandwidth_GBps=None if runtime.bandwidth_Bps is None else runtime.bandwidth_Bps / 1e9,
+    )

@@ -1,0 +1,38 @@
+"""The plugin system, and the one import a backend author needs.
+
+Register a backend in your ``pyproject.toml``::
+
+    [project.entry-points."magi.backends"]
+    mydev = "my_backend_package"
+
+and implement the hooks of :mod:`magi_core.plugin.spec` with ``@hookimpl`` in that module. Everything a
+backend uses is importable from here: the ``hookimpl`` marker, :class:`ProbeResult`, :class:`HostRangeTable`
+and the errors it raises. Core code reaches the selected backend through :func:`get_backend` (a typed
+:class:`Backend` facade, :mod:`.facade`); discovery and selection live in :mod:`.manager`.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+from magi_core.errors import BackendError, HostRegisterError, MagiError
+from magi_core.plugin.host_ranges import ALREADY_REGISTERED, NOT_REGISTERED, SUCCESS, HostRangeTable
+from magi_core.plugin.spec import ENTRY_POINT_GROUP, HOOKSPEC_VERSION, PROJECT, REQUIRED_HOOKS, ProbeResult
+
+#: Marks a backend's hook implementations (``@hookimpl def magi_probe() -> ProbeResult: ...``).
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+__all__ = [
+    "ALREADY_REGISTERED",
+    "ENTRY_POINT_GROUP",
+    "HOOKSPEC_VERSION",
+    "NOT_REGISTERED",
+    "REQUIRED_HOOKS",
+    "SUCCESS",
+    "BackendError",
+    "HostRangeTable",
+    "HostRegisterError",
+    "MagiError",
+    "ProbeResult",
+    "hookimpl",
+]
