@@ -4,7 +4,7 @@ python benchmarks/report.py [RESULT.json ...] [--md docs/BENCHMARKS.md]
 python benchmarks/report.py --merge MERGED.json PART.json PART.json ...
 Without files it uses every JSON under benchmarks/results/ (accelerator runs first, newest first).
 With --merge, the given documents (parts of one grid run by several processes of one machine) are merged
-into MERGED.json first (magi_core.bench.merge); the report is then written from the result folder when
+into MERGED.json first (magi_core.bench.analysis.merge); the report is then written from the result folder when
 MERGED.json is in it, else from MERGED.json alone.
 """
 
@@ -16,7 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
-from magi_core.bench.merge import merge
+from magi_core.bench.analysis import merge
 from magi_core.bench.report import load, write_report
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from magi_core.bench import analysis
-from magi_core.bench.merge import merge
+from magi_core.bench.analysis import merge
 from magi_core.bench.report import markdown
 from magi_core.errors import MagiError
 

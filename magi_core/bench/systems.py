@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from magi_core.bench import magi_stats
+from magi_core.api import handle, offload, release
 from magi_core.bench.workloads import Workload
+from magi_core.config import OffloadConfig
 from magi_core.plugin.facade import Backend
 
 POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
@@ -97,20 +98,7 @@ def prepare_resident(workload: Workload, backend: Backend, compiled: bool, compi
                     info={"resident_bytes": weights, "streamed_bytes": 0, "units": len(workload.block_bytes)})
 
 
-def magi_available() -> str | None:
-    """None when ``magi_core.offload`` and ``OffloadConfig`` can be imported, else why not."""
-    for mod in ("magi_core.api", "magi_core.config"):
-        try:
-            if importlib.util.find_spec(mod) is None:
-                return f"{mod} is not present in this magi-core build"
-        except ImportError as exc:
-            return f"{mod}: {exc}"
-    return None
-
-
-def _magi_config(spec: SystemSpec, weight_bytes: int) -> Any:
-    from magi_core.config import OffloadConfig
-
+def _magi_config(spec: SystemSpec, weight_bytes: int) -> OffloadConfig:
     assert spec.policy is not None, "magi configurations name a policy"
     if spec.budget_fraction is not None:
         return OffloadConfig(policy=spec.policy, device_memory_budget_bytes=int(spec.budget_fraction * weight_bytes))
@@ -119,10 +107,6 @@ def _magi_config(spec: SystemSpec, weight_bytes: int) -> Any:
 
 def prepare_magi(workload: Workload, backend: Backend, spec: SystemSpec) -> Prepared:
     """``magi_core.offload(fresh model, OffloadConfig(...))`` with the spec's policy and ratio or budget."""
-    why = magi_available()
-    if why is not None:
-        raise SystemSkipped(f"magi-core offload runtime missing: {why}")
-    from magi_core.api import offload
 
     _reset_dynamo()
     config = _magi_config(spec, workload.weight_bytes)
@@ -132,10 +116,10 @@ def prepare_magi(workload: Workload, backend: Backend, spec: SystemSpec) -> Prep
     setup = time.perf_counter() - t0
 
     def close() -> None:
-        magi_stats.release(model)
+        release(model)
 
-    return Prepared(_no_grad(model), setup, int(config.warmup_calls) + 1, info=magi_stats.static_info(model),
-                    close=close, stats=lambda: magi_stats.step_info(model))
+    return Prepared(_no_grad(model), setup, int(config.warmup_calls) + 1, info=magi_static_info(model),
+                    close=close, stats=lambda: magi_step_info(model))
 
 
 #: A 1-element host buffer the bench adds to a model that holds no weights outside its block lists (see below).
@@ -249,3 +233,38 @@ def cleanup(backend: Backend) -> None:
     empty = getattr(dm, "empty_cache", None)
     if empty is not None:
         empty()
+
+
+def magi_step_info(model: nn.Module) -> dict[str, Any]:
+    """Units, resident / streamed bytes per step, plan and bandwidth of the model's newest runtime (empty if none)."""
+    h = handle(model)
+    live = h.runtimes
+    if not live:
+        return {}
+    rt = live[-1]
+    s = h.stats()[-1]
+    info: dict[str, Any] = {"units": s.units, "magi_phase": s.phase, "compile_count": h.compile_count}
+    if s.resident_bytes is not None and s.streamed_bytes_per_step is not None:
+        info["resident_bytes"] = s.resident_bytes
+        info["streamed_bytes"] = s.streamed_bytes_per_step
+    plan = rt.plan
+    if plan is not None:
+        info["plan_policy"] = str(plan.policy)
+        info["plan_resident_units"] = len(plan.resident)
+        info["predicted_step_ms"] = plan.predicted_step_ms
+        info["predicted_stall_ms"] = plan.predicted_stall_ms
+    if s.bandwidth_GBps is not None:
+        info["runtime_bandwidth_GBps"] = s.bandwidth_GBps
+    return info
+
+
+def magi_static_info(model: nn.Module) -> dict[str, Any]:
+    """Figures known once set up: pinned and weight bytes of the host arena and its setup timings."""
+    hw = handle(model).host
+    if hw is None:
+        return {}
+    info: dict[str, Any] = {"pinned_bytes": int(hw.pinned_bytes), "host_weight_bytes": int(hw.weight_bytes)}
+    timings = hw.report.get("timings")
+    if isinstance(timings, dict):
+        info["host_timings_s"] = {k: float(v) for k, v in timings.items() if isinstance(v, int | float)}
+    return info

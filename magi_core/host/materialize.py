@@ -67,6 +67,22 @@ class Arena:
                 "shared_by": list(self.shared_by), "writer": self.writer}
 
 
+@dataclass(frozen=True)
+class HostLocation:
+    """Where a tensor's bytes lie in the host arenas (see :meth:`HostWeights.locate`)."""
+
+    arena: str
+    """The arena's key (its dtype name)."""
+    offset: int
+    """Byte offset of the tensor's first element from the start of the arena."""
+    nbytes: int
+    """Bytes from the first to one past the last element (``numel * element_size`` for a contiguous tensor)."""
+    path: str | None
+    """The arena's shared-memory file (``None`` for plain host memory; files are unlinked once mapped)."""
+    pinned: bool
+    """True when all of the bytes lie in a range registered with the backend."""
+
+
 @dataclass
 class _Assignment:
     """Who writes the files this rank uses, and which ranks map them."""
@@ -130,6 +146,18 @@ class HostWeights:
         lo = t.data_ptr()
         hi = lo + t.numel() * t.element_size()
         return any(p <= lo and hi <= p + n for p, n in self._ranges)
+
+    def locate(self, t: torch.Tensor) -> HostLocation | None:
+        """Where ``t``'s bytes lie in this object's arenas, or ``None`` when they are not (all) in one of them."""
+        if t.device.type != "cpu" or t.numel() == 0:
+            return None
+        lo = t.data_ptr()
+        span = (sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+        for a in self.arenas:
+            base = a.buf.data_ptr()
+            if base <= lo and lo + span <= base + a.nbytes:
+                return HostLocation(a.key, lo - base, span, a.path, self.is_pinned(t))
+        return None
 
     def release(self, *, restore: bool = False) -> None:
         """Unregister every range, then unmap (idempotent).
