@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from magi_core.execute.actions import StepActions, build_actions
+from magi_core.execute.freshness import WeightWatch
 from magi_core.execute.inputs import InputPreparer
 from magi_core.execute.program import build_program
 from magi_core.execute.residency import RESIDENT, ResidentSet, ResidentStore
@@ -125,6 +126,8 @@ class OffloadExecutor:
         self.plan: Plan | None = None
         self.actions: StepActions | None = None
         self.resident: ResidentSet | None = None
+        #: Notices host weights that changed between calls (resident and carried ones: copies kept across calls).
+        self.watch = WeightWatch(())
         self._sync_before: tuple[int, ...] = ()
         self._gate: tuple[bool, ...] = ()
 
@@ -142,10 +145,12 @@ class OffloadExecutor:
         old = self.resident
         self.resident = ResidentSet(self._store, self.device, actions.resident)
         if old is not None:
-            old.close()
+            old.close(self.transfer, self._current_stream())
         self._carry = {}
         self.plan = plan
         self.actions = actions
+        carried = [w for b in actions.carry for w in actions.batches[b]]
+        self.watch = WeightWatch(tuple(dict.fromkeys((*actions.resident, *carried))))
         event = self.backend.device_module.Event
         # one event per copy batch, re-recorded each step (a wait already enqueued is not affected)
         self._batch_events = [event() for _ in actions.batches]
@@ -168,8 +173,9 @@ class OffloadExecutor:
     def close(self) -> None:
         """Release resident weights and carried prefetches."""
         if self.resident is not None:
-            self.resident.close()
+            self.resident.close(self.transfer, self._current_stream())
         self._carry = {}
+        self.watch = WeightWatch(())
 
     def __del__(self) -> None:
         try:
@@ -192,20 +198,23 @@ class OffloadExecutor:
             env = self._template.copy()
             self.inputs.fill(args, env)
             compute = self._current_stream()
-            resident.fill(args, env, self.transfer, compute)
+            changed = self.watch.changed(args)
+            resident.fill(args, env, self.transfer, compute, changed)
             events: list[Any] = [None] * len(actions.batches)
-            self._start(args, env, events, actions)
+            self._start(args, env, events, actions, changed)
             self._units(args, env, events, actions, compute, timer)
             self.stats.steps += 1
             return self.program.build_output(env)
 
-    def _start(self, args: Sequence[Any], env: list[Any], events: list[Any], actions: StepActions) -> None:
+    def _start(
+        self, args: Sequence[Any], env: list[Any], events: list[Any], actions: StepActions, changed: set[int]
+    ) -> None:
         carry, self._carry = self._carry, {}
         batches = actions.batches
         for b in actions.start:
             c = carry.get(b)
             ws = batches[b]
-            if c is not None and all(
+            if c is not None and not changed.intersection(ws) and all(
                 args[w] is h and h.data_ptr() == p for w, h, p in zip(ws, c.hosts, c.ptrs, strict=True)
             ):
                 for w, t in zip(ws, c.devs, strict=True):

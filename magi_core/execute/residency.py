@@ -48,16 +48,21 @@ class ResidentStore:
             self._entries[key] = _Entry(weakref.ref(host), dev, 1)
         return dev
 
-    def release(self, host_id: int, host_ptr: int, device: torch.device) -> None:
-        """Drop one reference to the copy of host tensor ``host_id`` (data at ``host_ptr``); free it at zero."""
+    def release(self, host_id: int, host_ptr: int, device: torch.device) -> torch.Tensor | None:
+        """Drop one reference to the copy of host tensor ``host_id`` (data at ``host_ptr``).
+
+        Returns the device tensor when this was the last reference (the caller frees it stream-ordered).
+        """
         key = (host_id, host_ptr, device)
         with self._lock:
             e = self._entries.get(key)
             if e is None:
-                return
+                return None
             e.refs -= 1
             if e.refs <= 0:
                 del self._entries[key]
+                return e.device
+            return None
 
     def nbytes(self) -> int:
         """Bytes held on devices by resident weights now."""
@@ -76,7 +81,9 @@ class ResidentSet:
     """One executor's resident weights: input index -> device tensor, re-validated each step.
 
     A weight is copied again when the host tensor passed in is another object or its storage moved
-    (``param.data = ...``).
+    (``param.data = ...``), and refreshed in place when its values changed (``changed``, from the executor's
+    :class:`~magi_core.execute.freshness.WeightWatch`). A device copy no executor holds any more is handed
+    back through the transfer, ordered after the compute stream's queued work that may still read it.
     """
 
     def __init__(self, store: ResidentStore, device: torch.device, indices: tuple[int, ...]) -> None:
@@ -88,24 +95,36 @@ class ResidentSet:
         self._ptrs: list[int] = [0] * len(indices)
         self.copies = 0
 
-    def fill(self, args: Sequence[Any], env: list[Any], copier: WeightTransfer, compute_stream: Any) -> None:
-        """Put every resident weight's device copy into ``env`` (copying only when the host tensor changed)."""
+    def fill(
+        self, args: Sequence[Any], env: list[Any], transfer: WeightTransfer, compute_stream: Any,
+        changed: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
+        """Put every resident weight's device copy into ``env``, copying what is new or ``changed`` on the host."""
         hosts, devs, ptrs = self._hosts, self._devs, self._ptrs
         for k, i in enumerate(self.indices):
             h: torch.Tensor = args[i]
             if h is not hosts[k] or h.data_ptr() != ptrs[k]:
                 if hosts[k] is not None:
-                    self._store.release(id(hosts[k]), ptrs[k], self._device)
-                devs[k] = self._store.acquire(h, self._device, lambda t: copier.fetch_now(t, compute_stream))
+                    old = self._store.release(id(hosts[k]), ptrs[k], self._device)
+                    if old is not None:
+                        transfer.release(old, compute_stream)
+                devs[k] = self._store.acquire(h, self._device, lambda t: transfer.fetch_now(t, compute_stream))
                 hosts[k] = h
                 ptrs[k] = h.data_ptr()
                 self.copies += 1
+            elif i in changed:
+                dev = devs[k]
+                assert dev is not None
+                transfer.refresh(dev, h, compute_stream)
+                self.copies += 1
             env[i] = devs[k]
 
-    def close(self) -> None:
-        """Release every resident weight this set holds."""
+    def close(self, transfer: WeightTransfer | None = None, compute_stream: Any = None) -> None:
+        """Release every resident weight this set holds (stream-ordered through ``transfer`` when given)."""
         for k, h in enumerate(self._hosts):
             if h is not None:
-                self._store.release(id(h), self._ptrs[k], self._device)
+                old = self._store.release(id(h), self._ptrs[k], self._device)
+                if old is not None and transfer is not None:
+                    transfer.release(old, compute_stream)
                 self._hosts[k] = None
                 self._devs[k] = None

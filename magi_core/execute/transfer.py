@@ -38,6 +38,11 @@ class WeightTransfer(Protocol):
         """One weight's device copy, ordered before whatever ``compute_stream`` runs next (resident weights)."""
         ...
 
+    def refresh(self, dev: torch.Tensor, host: torch.Tensor, compute_stream: Any) -> None:
+        """Overwrite a kept device copy with ``host``'s values: after the work queued on ``compute_stream``
+        (which may still read the old values), and before whatever it runs next."""
+        ...
+
     def release(self, t: torch.Tensor, compute_stream: Any) -> None:
         """Hand a fetched weight back once ``compute_stream`` has finished the work already queued on it."""
         ...
@@ -77,6 +82,19 @@ class PerTensorTransfer:
         (dev,), ev = self.fetch([host])
         compute_stream.wait_event(ev)
         return dev
+
+    def refresh(self, dev: torch.Tensor, host: torch.Tensor, compute_stream: Any) -> None:
+        """Copy ``host`` into ``dev`` on the copy stream, between the compute stream's queued and next work."""
+        gate = self._event()
+        gate.record(compute_stream)
+        self.copy_stream.wait_event(gate)
+        with self._stream_ctx(self.copy_stream):
+            dev.copy_(host, non_blocking=True)
+            done = self._event()
+            done.record(self.copy_stream)
+        compute_stream.wait_event(done)
+        self.copies += 1
+        self.bytes_copied += host.nbytes
 
     def release(self, t: torch.Tensor, compute_stream: Any) -> None:
         """``record_stream`` on the compute stream: the allocator reuses ``t`` once that stream is past it."""

@@ -1,0 +1,186 @@
+"""Weights changed after offload are seen by the next call, at every ratio and policy.
+
+The executor here copies through a transfer that really copies (``torch.clone``) even on the CPU backend,
+so a device copy kept across calls (resident weights, the next call's prefetched first weights) is a
+separate buffer and goes stale when the host weight changes; the CPU backend's own transfer would alias
+the host tensor and hide exactly that bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
+from torch import nn
+
+import magi_core
+from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.execute import executor as executor_mod
+from magi_core.execute.freshness import WeightWatch
+from magi_core.execute.transfer import PerTensorTransfer
+
+SPEC = TransformerSpec(layers=3, hidden=32, heads=2)
+
+
+class CloningTransfer(PerTensorTransfer):
+    """Every fetch is a real copy into new memory, as on a device with its own memory."""
+
+    def fetch(self, hosts: Sequence[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
+        outs, ev = super().fetch(hosts, event)
+        return [o.clone() if o.data_ptr() == h.data_ptr() else o for o, h in zip(outs, hosts, strict=True)], ev
+
+
+class Scaled(nn.Module):
+    """A linear stack with a buffer the forward reads (a buffer edit must be seen too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / 4)
+        self.register_buffer("scale", torch.full((16,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * self.scale
+        return x
+
+
+@pytest.fixture(autouse=True)
+def _copying_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(executor_mod, "PerTensorTransfer", CloningTransfer)
+    torch._dynamo.reset()
+
+
+def _edit_mul(m: nn.Module) -> None:
+    with torch.no_grad():
+        m.blocks[0].attn.qkv.weight.mul_(1.5)  # type: ignore[index, union-attr]
+
+
+def _edit_copy(m: nn.Module) -> None:
+    with torch.no_grad():
+        w = m.blocks[-1].mlp.down.weight  # type: ignore[index, union-attr]
+        w.copy_(torch.flip(w, dims=[0]))
+
+
+def _edit_data_inplace(m: nn.Module) -> None:  # peft's unsafe LoRA merge: weight.data += delta
+    w = m.blocks[0].mlp.up.weight  # type: ignore[index, union-attr]
+    w.data += 0.25 * torch.ones_like(w)
+
+
+def _edit_assign(m: nn.Module) -> None:
+    lin = m.blocks[0].attn.out  # type: ignore[index, union-attr]
+    lin.weight = nn.Parameter(lin.weight.detach() * -1.0)
+
+
+def _edit_data_assign(m: nn.Module) -> None:  # diffusers' fuse_lora without peft: weight.data = fused
+    lin = m.blocks[1].mlp.gate  # type: ignore[index, union-attr]
+    lin.weight.data = lin.weight.detach() + 0.1
+
+
+def _edit_load_state_dict(m: nn.Module) -> None:
+    m.load_state_dict(build_transformer(SPEC, seed=7).state_dict())
+
+
+def _edit_norm(m: nn.Module) -> None:
+    with torch.no_grad():
+        m.norm.weight.fill_(2.0)  # type: ignore[union-attr, operator]
+
+
+EDITS: dict[str, Callable[[nn.Module], None]] = {
+    "mul_": _edit_mul,
+    "copy_": _edit_copy,
+    "data_inplace": _edit_data_inplace,
+    "assign_parameter": _edit_assign,
+    "data_assign": _edit_data_assign,
+    "load_state_dict": _edit_load_state_dict,
+    "norm_fill_": _edit_norm,
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+@pytest.mark.parametrize("policy,ratio", [("BASE", 0.0), ("HEURISTIC", 0.0), ("HEURISTIC", 0.5),
+                                          ("COST_EFFECTIVE", 0.5), ("HEURISTIC", 1.0)])
+def test_weight_edit_between_calls_is_seen(shm_dir: str, edit: str, policy: str, ratio: float) -> None:
+    model = build_transformer(SPEC)
+    ref = build_transformer(SPEC)
+    x = example_input(SPEC, tokens=5)
+    magi_core.offload(model, magi_core.OffloadConfig(policy=policy, gpu_resident_weight_ratio=ratio,
+                                                     unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            for _ in range(4):  # warm-up, profile, static plan, steady state (prefetch carried across calls)
+                torch.testing.assert_close(model(x), ref(x))
+            EDITS[edit](model)
+            EDITS[edit](ref)
+            expected = ref(x)
+            for _ in range(2):
+                torch.testing.assert_close(model(x), expected)
+    finally:
+        magi_core.release(model)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_buffer_edits_are_seen(shm_dir: str, ratio: float) -> None:
+    model, ref = Scaled().eval(), Scaled().eval()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                torch.testing.assert_close(model(x), ref(x))
+            model.scale.mul_(3.0)
+            ref.scale.mul_(3.0)
+            torch.testing.assert_close(model(x), ref(x))
+            model.register_buffer("scale", torch.full((16,), -1.0))
+            ref.register_buffer("scale", torch.full((16,), -1.0))
+            torch.testing.assert_close(model(x), ref(x))
+    finally:
+        magi_core.release(model)
+
+
+def test_watch_reports_exactly_what_changed() -> None:
+    arena = torch.zeros(4096, dtype=torch.uint8)
+    a = arena[:1024].view(torch.float32).view(16, 16)
+    b = torch.zeros(32, 16)  # views of one base share its version counter: keep b on its own
+    c = torch.randn(8)
+    args = [a, b, c, torch.randn(3)]
+    w = WeightWatch((0, 1, 2))
+    assert w.changed(args) == {0, 1, 2}  # first call: everything
+    assert w.changed(args) == set()
+    b.add_(1.0)  # version counter
+    assert w.changed(args) == {1}
+    a.data[3, 4] = 7.0  # through .data: no version bump; caught when a sampled byte moves
+    a.data[0, 0] = 1.0
+    assert w.changed(args) == {0}
+    args[2] = torch.randn(8)  # another object
+    assert w.changed(args) == {2}
+    w.force()
+    assert w.changed(args) == {0, 1, 2}
+    assert w.changed(args) == set()
+    a2 = arena[1024:2048].view(torch.float32)  # another view of a's base: an edit of it moves a's version too
+    a2.add_(1.0)
+    assert w.changed(args) == {0}  # over-reporting is safe (a re-copy); missing a change is not
+
+
+def test_steady_state_calls_copy_no_resident_weight_again(shm_dir: str) -> None:
+    model = build_transformer(SPEC)
+    x = example_input(SPEC, tokens=5)
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=1.0, unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                model(x)
+            ex = magi_core.handle(model).runtime.executor
+            assert ex.resident is not None
+            copies = ex.resident.copies
+            for _ in range(3):
+                model(x)
+            assert ex.resident.copies == copies, "unchanged weights must not be copied again"
+    finally:
+        magi_core.release(model)
