@@ -168,6 +168,23 @@ def test_watch_reports_exactly_what_changed() -> None:
     assert w.changed(args) == {0}  # over-reporting is safe (a re-copy); missing a change is not
 
 
+def test_sparse_edit_through_data_is_seen_after_weights_changed(shm_dir: str) -> None:
+    model = build_transformer(SPEC)
+    ref = build_transformer(SPEC)
+    x = example_input(SPEC, tokens=5)
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=1.0, unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                model(x)
+            for m in (model, ref):
+                m.blocks[0].mlp.up.weight.data[5, 3] += 1.0  # type: ignore[index, union-attr]
+            magi_core.handle(model).weights_changed()
+            torch.testing.assert_close(model(x), ref(x))
+    finally:
+        magi_core.release(model)
+
+
 def test_steady_state_calls_copy_no_resident_weight_again(shm_dir: str) -> None:
     model = build_transformer(SPEC)
     x = example_input(SPEC, tokens=5)

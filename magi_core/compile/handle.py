@@ -98,6 +98,11 @@ class OffloadHandle:
         """Figures of every live runtime, oldest first."""
         return [runtime_stats(r) for r in self.runtimes]
 
+    def weights_changed(self) -> None:
+        """Re-copy every device copy kept across calls at the next call (after edits the checks cannot see)."""
+        for runtime in self.runtimes:
+            runtime.executor.watch.force()
+
     # -- lifecycle ---------------------------------------------------------------------------------
     def check_usable(self) -> None:
         """Raise a clear error once the handle was released."""

@@ -8,11 +8,11 @@ the last unit) must be redone when the host weight changed in between. A weight 
 - its version counter moved: any in-place op on the tensor itself (``mul_``, ``copy_``, ``add_``,
   ``load_state_dict``);
 - a sample of its bytes differs: in-place edits through ``param.data`` (which has its own version
-  counter, e.g. peft's unsafe LoRA merge ``weight.data += delta``). The sample is ``SAMPLES`` whole elements
-  spread evenly over the tensor's span (first and last included), gathered for all weights of one host storage (one arena) with one ``take``:
-  dense edits are always seen; an edit of a few elements through ``.data`` may fall between samples
-  (:meth:`OffloadHandle.weights_changed <magi_core.compile.handle.OffloadHandle.weights_changed>` forces
-  a refresh).
+  counter, e.g. peft's unsafe LoRA merge ``weight.data += delta``). The sample is ``SAMPLES`` whole
+  elements spread evenly over the tensor's span (first and last included), gathered for all weights of
+  one host storage (one arena) with one ``take``: dense edits are always seen; an edit of a few elements
+  through ``.data`` may fall between samples (``magi_core.handle(model).weights_changed()`` forces a
+  refresh).
 """
 
 from __future__ import annotations
