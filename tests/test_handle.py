@@ -40,7 +40,7 @@ def test_handle_owns_host_weights_runtimes_and_figures(shm_dir: str) -> None:
     try:
         assert h.host is not None and h.host.weight_bytes == sum(p.nbytes for p in model.parameters())
         with pytest.raises(MagiError, match="nothing compiled yet"):
-            h.runtime
+            _ = h.runtime
         with torch.no_grad():
             for _ in range(4):
                 torch.testing.assert_close(model(x), ref)

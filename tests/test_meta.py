@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,10 +44,124 @@ def hookspec_functions() -> dict[str, object]:
 
 def hook_reference_entries(markdown: str) -> set[str]:
     """Hook names with a ``### name`` section under the ``## Hook reference`` heading."""
+    return set(hook_reference_blocks(markdown))
+
+
+def hook_reference_blocks(markdown: str) -> dict[str, str]:
+    """``### name`` -> the text of that entry, for every entry under the ``## Hook reference`` heading."""
     match = re.search(r"^## Hook reference\s*$(.*?)(?=^## |\Z)", markdown, re.M | re.S)
     if match is None:
-        return set()
-    return set(re.findall(r"^### (\w+)\s*$", match.group(1), re.M))
+        return {}
+    parts = re.split(r"^### (\w+)\s*$", match.group(1), flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+@dataclasses.dataclass
+class Bullet:
+    """One top-level ``- Field: text`` bullet of a reference entry, with its indented sub-bullets."""
+
+    text: str
+    items: list[str] = dataclasses.field(default_factory=list)
+
+
+def entry_bullets(entry: str) -> dict[str, Bullet]:
+    """Field name -> bullet, for the ``- Field: text`` bullets of one reference entry (continuations joined)."""
+    bullets: dict[str, Bullet] = {}
+    current: Bullet | None = None
+    for line in entry.splitlines():
+        top = re.match(r"^- ([A-Z][\w ]*?):\s*(.*)$", line)
+        sub = re.match(r"^  - (.*)$", line)
+        if top:
+            current = bullets[top.group(1)] = Bullet(top.group(2).strip())
+        elif current is not None and sub:
+            current.items.append(sub.group(1).strip())
+        elif current is not None and line.startswith("  ") and line.strip():
+            if current.items:
+                current.items[-1] += " " + line.strip()
+            else:
+                current.text += " " + line.strip()
+        elif not line.strip():
+            continue
+        else:
+            current = None
+    return bullets
+
+
+def annotation_text(annotation: Any) -> str:
+    """An annotation as written in the spec (they are strings there: ``from __future__ import annotations``)."""
+    return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+
+
+def spec_parameters(fn: Callable[..., Any]) -> list[tuple[str, str]]:
+    """(name, annotation) of each parameter of a hook spec, in order."""
+    return [(p.name, annotation_text(p.annotation)) for p in inspect.signature(fn).parameters.values()]
+
+
+def spec_signature(name: str, fn: Callable[..., Any]) -> str:
+    """``name(param: type, ...) -> return`` as the hook reference prints it."""
+    sig = inspect.signature(fn)
+    params = ", ".join(f"{n}: {a}" for n, a in spec_parameters(fn))
+    return f"{name}({params}) -> {annotation_text(sig.return_annotation)}"
+
+
+def version_added(doc: str) -> list[str]:
+    """The versions named by ``.. versionadded::`` directives in a docstring."""
+    return re.findall(r"^\s*\.\. versionadded:: (\S+)\s*$", doc, re.M)
+
+
+def first_token(text: str) -> str:
+    """The first word of ``text``, without trailing punctuation and backticks (to compare defaults)."""
+    return text.split()[0].rstrip(".;,").strip("`") if text.split() else ""
+
+
+def spec_default(doc: str) -> str | None:
+    """The default an optional hook's docstring states (``Optional; default: X``), or None."""
+    match = re.search(r"^\s*Optional; default: (.*)$", doc, re.M)
+    return first_token(match.group(1)) if match else None
+
+
+def documented_items(items: Iterable[str]) -> list[tuple[str, str]]:
+    """(name, type) of sub-bullets written like ``- `ptr` (`int`): meaning``."""
+    out = []
+    for item in items:
+        match = re.match(r"^`(\w+)` \(`([^`]+)`\): \S", item)
+        out.append((match.group(1), match.group(2)) if match else ("?", item))
+    return out
+
+
+def reference_problems(hook: str, fn: Callable[..., Any], entry: str, required: bool) -> list[str]:
+    """What in a hook reference entry disagrees with the hook spec ``fn`` (empty when it matches)."""
+    problems: list[str] = []
+    fields = entry_bullets(entry)
+    for field in ("Signature", "Required", "Added in", "Parameters", "Returns", "Called", "Semantics"):
+        if field not in fields or not fields[field].text and not fields[field].items:
+            problems.append(f"{hook}: no '- {field}:' bullet")
+    if problems:
+        return problems
+    want = spec_signature(hook, fn)
+    if fields["Signature"].text != f"`{want}`":
+        problems.append(f"{hook}: Signature is {fields['Signature'].text}, the spec says `{want}`")
+    params = spec_parameters(fn)
+    if params:
+        got = documented_items(fields["Parameters"].items)
+        if got != params:
+            problems.append(f"{hook}: Parameters document {got}, the spec has {params} (as `name` (`type`): ...)")
+    elif fields["Parameters"].text != "none." or fields["Parameters"].items:
+        problems.append(f"{hook}: Parameters should read 'none.' (the spec takes no arguments)")
+    req = fields["Required"].text
+    if required and req != "yes.":
+        problems.append(f"{hook}: Required should read 'yes.' (it is in REQUIRED_HOOKS), got {req!r}")
+    if not required:
+        match = re.match(r"^no\. Default: (.+)$", req)
+        doc_default = spec_default(inspect.getdoc(fn) or "")
+        if match is None:
+            problems.append(f"{hook}: Required should read 'no. Default: ...' (optional hook), got {req!r}")
+        elif first_token(match.group(1)) != doc_default:
+            problems.append(f"{hook}: Default {match.group(1)!r} differs from the spec's {doc_default!r}")
+    added = version_added(inspect.getdoc(fn) or "")
+    if fields["Added in"].text != f"spec {added[0] if added else '?'}.":
+        problems.append(f"{hook}: Added in is {fields['Added in'].text!r}, the spec says versionadded {added}")
+    return problems
 
 
 def hook_test_files(root: Path) -> Iterable[Path]:
@@ -81,7 +197,7 @@ def test_forbidden_scan_detects_each_pattern(tmp_path: Path) -> None:
 def test_hookspecs_exist_and_match_registry() -> None:
     specs = hookspec_functions()
     assert set(hookspecs.REQUIRED_HOOKS) <= set(specs)
-    assert set(specs) == set(ALL_HOOKS), "registry.OPTIONAL_HOOKS must list every optional hook spec"
+    assert set(specs) == set(ALL_HOOKS), "magi_core.plugin.manager.OPTIONAL_HOOKS must list every optional hook spec"
 
 
 @pytest.mark.parametrize("hook", sorted(hookspec_functions()))
@@ -109,3 +225,93 @@ def test_every_hookspec_is_named_by_a_test() -> None:
 def test_untested_hooks_detects_a_missing_test(tmp_path: Path) -> None:
     (tmp_path / "test_a.py").write_text("def test_x():\n    call('magi_probe')\n    call('magi_probe_extra')\n")
     assert untested_hooks(["magi_probe", "magi_range_pop"], [tmp_path / "test_a.py"]) == {"magi_range_pop"}
+
+
+# -- the hook reference agrees with the spec: signature, parameters, required or optional, version ----
+
+CONTRIBUTING = ROOT / "CONTRIBUTING.md"
+
+
+def test_hook_reference_lists_exactly_the_hookspecs() -> None:
+    documented = hook_reference_entries(CONTRIBUTING.read_text(encoding="utf-8"))
+    stale = documented - set(hookspec_functions())
+    assert not stale, f"CONTRIBUTING.md's hook reference documents hooks the spec does not have: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("hook", sorted(hookspec_functions()))
+def test_hook_reference_entry_matches_the_spec(hook: str) -> None:
+    entry = hook_reference_blocks(CONTRIBUTING.read_text(encoding="utf-8")).get(hook, "")
+    fn = hookspec_functions()[hook]
+    assert callable(fn)
+    problems = reference_problems(hook, fn, entry, hook in hookspecs.REQUIRED_HOOKS)
+    assert not problems, "CONTRIBUTING.md's hook reference disagrees with magi_core/plugin/spec.py:\n" + \
+        "\n".join(problems)
+
+
+@pytest.mark.parametrize("hook", sorted(hookspec_functions()))
+def test_every_hookspec_documents_parameters_return_status_and_version(hook: str) -> None:
+    fn = hookspec_functions()[hook]
+    assert callable(fn)
+    doc = inspect.getdoc(fn) or ""
+    lines = doc.splitlines()
+    assert len(lines) > 2 and lines[0].strip() and not lines[1].strip(), f"{hook}: a one-line summary, then a blank"
+    assert set(re.findall(r":param (\w+):", doc)) == {n for n, _ in spec_parameters(fn)}, \
+        f"{hook}: document each parameter (and only those) with ':param NAME:'"
+    assert re.search(r"^:returns:", doc, re.M), f"{hook}: document the return value with ':returns:'"
+    assert "Called" in doc, f"{hook}: say when magi-core calls it"
+    required = hook in hookspecs.REQUIRED_HOOKS
+    assert bool(re.search(r"^Required\.", doc, re.M)) == required, f"{hook}: say 'Required.' iff in REQUIRED_HOOKS"
+    assert (spec_default(doc) is not None) == (not required), f"{hook}: optional hooks say 'Optional; default: X'"
+    added = version_added(doc)
+    assert len(added) == 1, f"{hook}: one '.. versionadded:: X.Y' (the spec version it appeared in)"
+    major, _, minor = added[0].partition(".")
+    current = hookspecs.HOOKSPEC_VERSION.split(".")
+    assert major.isdigit() and minor.isdigit(), f"{hook}: versionadded {added[0]!r} is not major.minor"
+    assert (int(major), int(minor)) <= (int(current[0]), int(current[1])), \
+        f"{hook}: versionadded {added[0]} is newer than HOOKSPEC_VERSION {hookspecs.HOOKSPEC_VERSION}"
+    assert getattr(fn, f"{hookspecs.PROJECT}_spec")["firstresult"], f"{hook}: the reference says all are firstresult"
+
+
+def test_hookspec_version_is_1_0() -> None:
+    assert hookspecs.HOOKSPEC_VERSION == "1.0"
+
+
+def test_probe_result_fields_are_documented_in_spec_and_reference() -> None:
+    fields = [(f.name, annotation_text(f.type)) for f in dataclasses.fields(hookspecs.ProbeResult)]
+    source = inspect.getsource(hookspecs.ProbeResult)
+    undocumented = [n for n, _ in fields if not re.search(rf"#:.*\n(?:\s*#:.*\n)*\s*{n}:", source)]
+    assert not undocumented, f"ProbeResult fields without a '#:' comment in spec.py: {undocumented}"
+    entry = hook_reference_blocks(CONTRIBUTING.read_text(encoding="utf-8"))["magi_probe"]
+    returns = entry_bullets(entry)["Returns"]
+    assert documented_items(returns.items) == fields, \
+        "CONTRIBUTING.md's magi_probe 'Returns' bullet must list ProbeResult's fields as `name` (`type`): ..."
+
+
+def test_reference_checker_catches_each_kind_of_drift() -> None:
+    fn = hookspec_functions()["magi_host_register"]
+    assert callable(fn)
+    good = (
+        "- Signature: `magi_host_register(ptr: int, nbytes: int) -> None`\n- Required: yes.\n"
+        "- Added in: spec 1.0.\n- Parameters:\n  - `ptr` (`int`): address\n  - `nbytes` (`int`): bytes,\n"
+        "    continued\n- Returns: None.\n- Called: when pinning.\n- Semantics: pin.\n"
+    )
+    assert reference_problems("magi_host_register", fn, good, required=True) == []
+    drifts = {
+        "Signature": good.replace("nbytes: int) -> None", "size: int) -> None"),
+        "Parameters": good.replace("`nbytes` (`int`)", "`size` (`int`)"),
+        "Required": good.replace("Required: yes.", "Required: no. Default: no-op."),
+        "Added in": good.replace("spec 1.0.", "spec 1.1."),
+        "Called": good.replace("- Called: when pinning.\n", ""),
+    }
+    for field, text in drifts.items():
+        problems = reference_problems("magi_host_register", fn, text, required=True)
+        assert any(field in p for p in problems), (field, problems)
+    pop = hookspec_functions()["magi_range_pop"]
+    assert callable(pop)
+    lean = good.replace("magi_host_register(ptr: int, nbytes: int)", "magi_range_pop()").replace(
+        "- Parameters:\n  - `ptr` (`int`): address\n  - `nbytes` (`int`): bytes,\n    continued\n",
+        "- Parameters: none.\n")
+    optional = lean.replace("Required: yes.", "Required: no. Default: no-op.")
+    assert reference_problems("magi_range_pop", pop, optional, required=False) == []
+    wrong_default = lean.replace("Required: yes.", "Required: no. Default: `(\"to\",)`.")
+    assert any("Default" in p for p in reference_problems("magi_range_pop", pop, wrong_default, required=False))

@@ -164,11 +164,22 @@ class OffloadedForward:
         self.pool = pool if pool is not None else ProxyPool()
         #: Calls that had at least one device input replaced by a proxy.
         self.substituted_calls = 0
+        #: Held by the first call (Dynamo compiles then): callers racing it wait instead of compiling again.
+        self._first_call = threading.Lock()
+        self._called = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Replace device inputs by proxies, run the compiled forward with the substitution map set, restore."""
         if self.handle is not None and self.handle.released:
             self.handle.check_usable()
+        if not self._called:
+            with self._first_call:
+                out = self._call(args, kwargs)
+                self._called = True
+                return out
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         subs: dict[int, torch.Tensor] = {}
         seen: dict[int, torch.Tensor] = {}
         used: dict[ProxyKey, int] = {}

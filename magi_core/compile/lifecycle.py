@@ -71,6 +71,8 @@ class OffloadLifecycle:
         self.bandwidth_Bps: float | None = None
         self._timer: Any = None
         self._planned = False
+        #: Warm-up calls (look-ahead, profile, planning) run one at a time; planned calls never take it.
+        self._warmup_lock = threading.Lock()
         if config.warmup_calls > 0:
             executor.set_plan(self.warmup_plan())
 
@@ -92,7 +94,10 @@ class OffloadLifecycle:
         """Run one step (the static-plan fast path after warm-up)."""
         if self._planned:
             return self.executor.run(args, None)
-        return self._warmup_call(args)
+        with self._warmup_lock:
+            if self._planned:  # planned while this call waited
+                return self.executor.run(args, None)
+            return self._warmup_call(args)
 
     def _warmup_call(self, args: Sequence[Any]) -> Any:
         self.calls += 1

@@ -5,10 +5,12 @@ Register a backend in your ``pyproject.toml``::
     [project.entry-points."magi.backends"]
     mydev = "my_backend_package"
 
-and implement the hooks of :mod:`magi_core.plugin.spec` with ``@hookimpl`` in that module. Everything a
-backend uses is importable from here: the ``hookimpl`` marker, :class:`ProbeResult`, :class:`HostRangeTable`
-and the errors it raises. Core code reaches the selected backend through :func:`get_backend` (a typed
-:class:`Backend` facade, :mod:`.facade`); discovery and selection live in :mod:`.manager`.
+and implement the hooks of :mod:`magi_core.plugin.spec` with ``@hookimpl`` in that module (the spec documents
+each hook's parameters, return value, when magi-core calls it, whether it is required, and ``versionadded``).
+Everything a backend uses is importable from here: the ``hookimpl`` marker, :class:`ProbeResult`,
+:class:`HostRangeTable` and the errors it raises. Core code reaches the selected backend through
+:func:`magi_core.get_backend` (a typed :class:`~magi_core.plugin.facade.Backend` facade, :mod:`.facade`);
+discovery and selection live in :mod:`.manager`.
 """
 
 from __future__ import annotations

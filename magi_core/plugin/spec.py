@@ -1,18 +1,29 @@
 """Hook specifications every magi-core backend implements (spec version :data:`HOOKSPEC_VERSION`).
 
 A backend is a module (or object) registered under the entry-point group ``magi.backends``; the
-entry point's name is the backend's name. Each hook below is called on that one backend only.
+entry point's name is the backend's name. Each backend gets its own pluggy ``PluginManager``, so
+every hook below is called on that one backend only; all are ``firstresult``. Implement them with
+:data:`magi_core.plugin.hookimpl`. pluggy passes arguments by name: an implementation must use the
+parameter names below (it may take fewer). Core code never calls these hooks itself: discovery
+(:mod:`.manager`) calls the probe hooks, and the :class:`~magi_core.plugin.facade.Backend` facade binds
+the others once when the backend is selected.
+
 Compatibility policy: a new spec version only *adds* optional hooks or optional arguments; a hook
-or argument is never removed or re-typed within a major version.
+or argument is never removed or re-typed within a major version. Each hook says in
+``.. versionadded::`` the spec version it appeared in, and whether it is required or optional (and
+the default magi-core uses when an optional hook is absent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pluggy
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import ModuleType
 
 PROJECT = "magi"
 #: The entry-point group backends register under; the entry point's name is the backend's name.
@@ -33,53 +44,188 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """What a backend's probe reports about its hardware, without initialising the device."""
+    """What a backend's probe reports about its hardware, without initialising the device.
 
+    Returned by :func:`magi_probe`; ``magi backends`` lists it and selection ranks backends by it.
+
+    .. versionadded:: 1.0
+    """
+
+    #: True when the hardware is present and usable by this process (driver loaded, at least one device
+    #: visible). Only available backends can be selected.
     available: bool
+    #: The torch device type string this backend drives (``"cpu"``, ``"musa"``, ...): what
+    #: ``torch.device(device_type)`` accepts and what selection matches against the accelerator torch reports.
     device_type: str
+    #: Selection rank: among available backends the highest priority wins when neither ``use_backend`` nor
+    #: ``MAGI_BACKEND`` names one; two available backends sharing the top priority are an error. The CPU
+    #: backend uses 0, CUDA and MUSA 100.
     priority: int
+    #: Version of the backend's runtime or torch extension (e.g. ``torch_musa.__version__``),
+    #: shown by ``magi backends``; a non-empty string (``"none"`` when there is nothing to report).
     version: str
+    #: When ``available`` is False: why, in words a user can act on ("torch_musa is not installed: pip
+    #: install torch_musa"). None when available.
     reason: str | None = None
 
 
 @hookspec(firstresult=True)
 def magi_probe() -> ProbeResult:
-    """Report presence, device type, priority and version, cheaply and without initialising the device."""
+    """Report whether this backend's hardware is present, cheaply and without initialising the device.
+
+    Called once, at discovery (the first :func:`magi_core.get_backend`, :func:`magi_core.list_backends` or
+    ``magi backends`` of a process), for every installed backend that loaded, implements every required hook
+    and lists a compatible spec major in :func:`magi_hookspec_versions` (which is called first), whether or
+    not it will be selected. So it must not initialise the device: no context creation, no allocation,
+    no runtime call that initialises the driver (``device_count()`` only where it does not); a process must
+    be able to probe, fork, and use the device in the child. Importing the vendor's torch extension is fine.
+
+    Required. When it raises, or returns anything but a :class:`ProbeResult`, the backend is refused: the
+    exception is logged and listed by ``magi backends``, never swallowed.
+
+    :returns: a :class:`ProbeResult`: ``available``, ``device_type``, ``priority``, ``version`` and, when
+        unavailable, the ``reason``.
+
+    .. versionadded:: 1.0
+    """
 
 
 @hookspec(firstresult=True)
 def magi_hookspec_versions() -> Sequence[str]:
-    """Return the hook-spec major versions this backend supports, e.g. ``("1",)``."""
+    """Return the hook-spec major versions this backend implements, e.g. ``("1",)``.
+
+    Called at discovery, before :func:`magi_probe`, for every installed backend that loaded and implements
+    every required hook. Only the major part of each entry counts (``"1.0"`` reads as ``"1"``).
+
+    Required. A backend listing no major equal to :data:`HOOKSPEC_VERSION`'s is refused and not probed,
+    with a message naming both versions; a bare string or None is refused as a type error.
+
+    :returns: a sequence of version strings (a tuple or list, not a bare ``str``).
+
+    .. versionadded:: 1.0
+    """
 
 
 @hookspec(firstresult=True)
 def magi_device_module() -> ModuleType:
-    """Return the torch-style device module (Stream, Event, current_stream, stream, synchronize, memory stats)."""
+    """Return the backend's torch-style device module, as ``torch.get_device_module(device_type)`` gives it.
+
+    Called once, when the backend is selected (the first :func:`magi_core.get_backend` or a
+    :func:`magi_core.use_backend`), never at discovery; it may import the vendor's torch extension. The
+    facade binds the module as ``Backend.device_module``, and core code reaches streams, events and memory
+    statistics only through it.
+
+    Required. The module must have ``Stream``, ``Event``, ``current_stream``, ``stream`` (a context
+    manager) and ``synchronize``, or selection fails with a :class:`~magi_core.errors.BackendError` naming
+    the missing ones; ``Event(enable_timing=True)`` must time in milliseconds (``elapsed_time``). magi-core
+    also uses ``current_device``, ``is_available``, ``device_count``, ``memory_allocated``,
+    ``max_memory_allocated`` and ``reset_peak_memory_stats`` (the conformance kit checks them); ``magi bench``
+    also reads ``max_memory_reserved`` and, where present, ``empty_cache`` and ``get_device_name``.
+
+    :returns: the device module (``torch.<device_type>``; for the CPU backend
+        :mod:`magi_core.plugin.cpu.device`).
+
+    .. versionadded:: 1.0
+    """
 
 
 @hookspec(firstresult=True)
 def magi_host_register(ptr: int, nbytes: int) -> None:
-    """Pin the existing host range [ptr, ptr+nbytes) in place; "already registered" is success, other errors raise."""
+    """Pin the existing host range ``[ptr, ptr + nbytes)`` in place (page-lock it without copying).
+
+    Called through ``Backend.host_register`` by host materialisation when it pins the weight arenas
+    (:mod:`magi_core.host.pinning`, possibly a prefix of an arena under a pin budget), and by the
+    host-to-device bandwidth probe for its buffer. It may be called from several threads at once (two
+    models materialised concurrently): keep it thread-safe, as :class:`~magi_core.plugin.HostRangeTable` is.
+    Use this backend's own runtime only (never another vendor's, even when installed).
+
+    Required. A range that is already registered (error 712 on CUDA and MUSA) counts as success; an invalid
+    range (``ptr`` or ``nbytes`` not positive) and any other failure raise
+    :class:`~magi_core.errors.HostRegisterError` carrying the runtime's own error text and code.
+    Materialisation then stops pinning, logs the error with the memlock limit and leaves the rest pageable.
+
+    :param ptr: address of the first byte, a host virtual address as ``Tensor.data_ptr()`` gives it.
+    :param nbytes: length of the range in bytes (> 0).
+    :returns: None; success is returning, failure raises.
+
+    .. versionadded:: 1.0
+    """
 
 
 @hookspec(firstresult=True)
 def magi_host_unregister(ptr: int) -> None:
-    """Undo :func:`magi_host_register` for the range starting at ptr; an unknown range raises."""
+    """Undo :func:`magi_host_register` for the range that starts at ``ptr``.
+
+    Called through ``Backend.host_unregister`` before the memory is freed or unmapped: when host weights
+    are released (explicitly, or by a finalizer once the model is garbage-collected, on whichever thread
+    drops it) and after the bandwidth probe. Like register, it may be called from several threads.
+
+    Required. A range this backend did not register raises
+    :class:`~magi_core.errors.HostRegisterError` (713, "not registered", on CUDA and MUSA); so does a
+    failure of the runtime. On release every range is attempted and the errors are logged.
+
+    :param ptr: the address a successful :func:`magi_host_register` call was given.
+    :returns: None; success is returning, failure raises.
+
+    .. versionadded:: 1.0
+    """
 
 
 @hookspec(firstresult=True)
 def magi_range_push(name: str) -> None:
-    """Open a named profiling range (optional; default: no-op)."""
+    """Open a named profiling range (NVTX on CUDA, ``record_function`` spans on MUSA).
+
+    Called before every executed unit of every step, in the executor's hot loop (and around the
+    bandwidth probe). It is bound once: the facade resolves it when the backend is selected and the
+    executor takes it when it is built (``Backend.range_fns()``). A single plain implementation is then
+    called directly and positionally, not through pluggy (with ``MAGI_TRACE_HOOKS=1``, or several
+    implementations, calls go through pluggy), so keep it cheap. It is never called inside compiled
+    regions: the executor runs outside them and ``Backend.range_push`` is a no-op while ``torch.compile``
+    traces.
+
+    Optional; default: no-op. Implement it together with :func:`magi_range_pop`: the executor uses
+    no-ops unless both are present.
+
+    :param name: the range's label, e.g. ``"magi.unit3:block3"`` (unit index and label) or
+        ``"magi.h2d_probe"``.
+    :returns: None.
+
+    .. versionadded:: 1.0
+    """
 
 
 @hookspec(firstresult=True)
 def magi_range_pop() -> None:
-    """Close the innermost profiling range (optional; default: no-op)."""
+    """Close the innermost profiling range opened by :func:`magi_range_push` on this thread.
+
+    Called as :func:`magi_range_push` is (bound once, once per executed unit, never inside compiled
+    regions), after the unit returns; pushes and pops balance, and ``Backend.range(name)`` pairs them.
+
+    Optional; default: no-op (implement it together with :func:`magi_range_push`).
+
+    :returns: None.
+
+    .. versionadded:: 1.0
+    """
 
 
 @hookspec(firstresult=True)
 def magi_to_method_aliases() -> Sequence[str]:
-    """Return the method names under which ``Tensor.to`` appears in traced graphs (optional; default ``("to",)``)."""
+    """Return the method names under which ``Tensor.to`` appears in traced graphs, ``"to"`` included.
+
+    Called once, when the backend is selected (with :func:`magi_device_module`); the facade keeps the
+    result as ``Backend.to_method_aliases``, and the device-placement pass reads it once per compiled graph
+    to rewrite every ``call_method`` node (and ``Tensor.<alias>`` call) named by an alias. torch_musa wraps
+    ``Tensor.to`` and Dynamo then records ``orig_to``: the MUSA backend returns ``("to", "orig_to")``.
+
+    Optional; default: ``("to",)`` (also used when it returns an empty sequence). A result without ``"to"``
+    makes selection fail with a :class:`~magi_core.errors.BackendError`; each alias must be a
+    ``torch.Tensor`` method (the conformance kit checks it).
+
+    :returns: a sequence of method names.
+
+    .. versionadded:: 1.0
+    """
 
 
 __all__ = ["ENTRY_POINT_GROUP", "HOOKSPEC_VERSION", "PROJECT", "REQUIRED_HOOKS", "ProbeResult", "hookspec"]

@@ -11,8 +11,7 @@ from types import ModuleType
 import torch
 
 from magi_backend_cuda import ranges, runtime
-from magi_core.plugin import hookimpl
-from magi_core.plugin.spec import ProbeResult
+from magi_core.plugin import ProbeResult, hookimpl
 
 __version__ = "0.1.0"
 DEVICE_TYPE = "cuda"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from magi_core.plugin.host_ranges import HostRangeTable
+from magi_core.plugin import HostRangeTable
 
 logger = logging.getLogger(__name__)
 

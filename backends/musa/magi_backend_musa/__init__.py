@@ -16,9 +16,7 @@ from types import ModuleType
 import torch
 
 from magi_backend_musa import ranges, runtime
-from magi_core.errors import BackendError
-from magi_core.plugin import hookimpl
-from magi_core.plugin.spec import ProbeResult
+from magi_core.plugin import BackendError, ProbeResult, hookimpl
 
 __version__ = "0.1.0"
 DEVICE_TYPE = "musa"

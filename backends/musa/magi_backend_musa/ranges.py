@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from magi_core.errors import BackendError
+from magi_core.plugin import BackendError
 
 _local = threading.local()
 

@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from magi_core.errors import BackendError
-from magi_core.plugin.host_ranges import HostRangeTable
+from magi_core.plugin import BackendError, HostRangeTable
 
 logger = logging.getLogger(__name__)
 

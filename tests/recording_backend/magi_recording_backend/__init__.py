@@ -12,9 +12,7 @@ from types import ModuleType
 
 import torch
 
-from magi_core.errors import HostRegisterError
-from magi_core.plugin import hookimpl
-from magi_core.plugin.spec import ProbeResult
+from magi_core.plugin import HostRegisterError, ProbeResult, hookimpl
 from magi_recording_backend import device
 
 _lock = threading.Lock()

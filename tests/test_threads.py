@@ -1,0 +1,54 @@
+"""An offloaded model called from several threads from its very first call (compile, profile, plan)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
+
+import magi_core
+from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+
+SPEC = TransformerSpec(layers=3, hidden=32, heads=2)
+THREADS = 8
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_first_call_from_many_threads(shm_dir: str, ratio: float) -> None:
+    torch._dynamo.reset()
+    model = build_transformer(SPEC)
+    xs = [example_input(SPEC, tokens=5, seed=s) for s in range(THREADS)]
+    with torch.no_grad():
+        refs = [model(x) for x in xs]
+    magi_core.offload(model, magi_core.OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=ratio,
+                                                     unit_compiler="eager"))
+    errors: list[BaseException] = []
+    outs: dict[int, list[torch.Tensor]] = {k: [] for k in range(THREADS)}
+    start = threading.Barrier(THREADS)
+
+    def worker(k: int) -> None:
+        try:
+            start.wait()
+            with torch.no_grad():
+                for _ in range(5):
+                    outs[k].append(model(xs[k]))
+        except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for k in range(THREADS):
+            for out in outs[k]:
+                torch.testing.assert_close(out, refs[k])
+        h = magi_core.handle(model)
+        assert h.compile_count == 1, "one compile for one input shape, however many threads call first"
+        assert h.runtime.phase == "planned"
+    finally:
+        magi_core.release(model)
