@@ -185,3 +185,32 @@ def test_locate_finds_each_weight_in_its_arena(shm_dir: str) -> None:
         assert hw.locate(torch.randn(4)) is None
     finally:
         magi_core.release(model)
+
+
+def test_deepcopy_and_pickle_say_why_not_and_state_dict_works(shm_dir: str) -> None:
+    import copy
+    import io
+    import pickle
+
+    model = build_transformer(SPEC)
+    x = example_input(SPEC, tokens=6)
+    with torch.no_grad():
+        ref = model(x)
+    magi_core.offload(model, CFG)
+    try:
+        with torch.no_grad():
+            model(x)
+        with pytest.raises(MagiError, match="state_dict"):
+            copy.deepcopy(model)
+        with pytest.raises(MagiError, match="cannot be copied or pickled"):
+            pickle.dumps(model)
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        buf.seek(0)
+        twin = build_transformer(SPEC, seed=3)
+        twin.load_state_dict(torch.load(buf))
+        with torch.no_grad():
+            torch.testing.assert_close(twin(x), ref)
+            torch.testing.assert_close(model(x), ref)  # still usable after the refused copies
+    finally:
+        magi_core.release(model)

@@ -51,6 +51,15 @@ class RuntimeStats:
         return asdict(self)
 
 
+#: Why an offloaded model cannot be deep-copied or pickled, and what to do instead.
+NOT_COPYABLE = (
+    "{name} is offloaded: its weights live in this process's pinned host mappings and its forward in runtimes "
+    "compiled for them, which cannot be copied or pickled. Save or copy the weights instead "
+    "(model.state_dict() works on an offloaded model; torch.save(model.state_dict(), ...)), or deep-copy the "
+    "model before magi_core.offload, or after magi_core.release(model, restore=True)"
+)
+
+
 class OffloadHandle:
     """What offloading made for one model: host weights, compiled runtimes and their statistics."""
 
@@ -123,6 +132,12 @@ class OffloadHandle:
             runtime.close()
         if self.host is not None:
             self.host.release(restore=restore)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise MagiError(NOT_COPYABLE.format(name=self.name))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise MagiError(NOT_COPYABLE.format(name=self.name))
 
     def __repr__(self) -> str:
         state = "released" if self.released else f"{len(self.runtimes)} runtime(s), {self._compiles} compile(s)"
