@@ -14,6 +14,7 @@ from magi_core.compile.handle import OffloadHandle
 from magi_core.config import OffloadConfig, resolve_config
 from magi_core.errors import ConfigError, MagiError
 from magi_core.host.materialize import materialize
+from magi_core.plan.registry import check_policy
 from magi_core.plugin.manager import get_backend
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any 
         raise MagiError(f"{type(model).__name__} is already offloaded; magi_core.release(model) it first")
     _check_compile_kwargs(compile_kwargs)  # before any host work
     cfg = resolve_config(config)
+    check_policy(cfg.policy)
     h = OffloadHandle(type(model).__name__, cfg)
     h.host = materialize(model, options=host_options)
     try:
@@ -74,6 +76,7 @@ def compile_offloaded(
     compile_kwargs["fullgraph"] = True
     label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
     cfg = resolve_config(config)
+    check_policy(cfg.policy)
     h = handle if handle is not None else OffloadHandle(label, cfg)
     options: dict[str, Any] = {"config": cfg}
     compiled = torch.compile(fn, backend=h.backend, options=options, **compile_kwargs)

@@ -9,22 +9,21 @@ import dataclasses
 import logging
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
+from magi_core._env import GIB, MIB, parse_bool, parse_bytes, parse_float, parse_int
 from magi_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "MAGI_OFFLOAD_"
-GIB = 1 << 30
-MIB = 1 << 20
 #: Bandwidth probe size when ``bandwidth_probe_bytes`` is None: 1 GiB on accelerators, 16 MiB on the host.
 DEFAULT_PROBE_BYTES_ACCELERATOR = GIB
 DEFAULT_PROBE_BYTES_CPU = 16 * MIB
+#: Values of ``OffloadConfig.unit_compiler``.
 UNIT_COMPILERS = ("auto", "inductor", "eager")
 
 
@@ -40,27 +39,19 @@ class Policy(str, Enum):
 
 
 def normalize_policy(value: Policy | str) -> Policy | str:
-    """Return the built-in :class:`Policy` for ``value`` (any case), else the upper-cased plugin policy name.
+    """The one normalisation of policy names: the built-in :class:`Policy` for ``value`` (any case, ``-`` read
+    as ``_``), else the upper-cased name as a str (a plugin policy).
 
-    Raises :class:`ConfigError` listing the known policies when no built-in or registered policy has that name.
+    Whether a plugin policy of that name exists is checked when planning, and early by
+    :func:`magi_core.plan.check_policy`; this function never looks at the registry. A value that is not a
+    non-empty string raises :class:`ConfigError`.
     """
     if isinstance(value, Policy):
         return value
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"OffloadConfig.policy: expected a policy name, got {value!r}")
     name = value.strip().upper().replace("-", "_")
-    if name in Policy.__members__:
-        return Policy[name]
-    from magi_core.plan.registry import known_policies  # noqa: PLC0415 (avoid an import cycle)
-
-    known = known_policies()
-    if name not in known:
-        raise ConfigError(
-            f"OffloadConfig.policy: unknown policy {value!r}; known policies: {', '.join(known)} "
-            "(plugins add policies with magi_core.plan.register_policy or the 'magi.policies' "
-            "entry-point group)"
-        )
-    return name
+    return Policy[name] if name in Policy.__members__ else name
 
 
 @dataclass(frozen=True)
@@ -96,6 +87,9 @@ class OffloadConfig:
     max_unit_bytes: int | None = None
     bandwidth_probe_bytes: int | None = None
     direct_unit_calls: bool = True
+    #: True on configs returned by :func:`resolve_config` (environment applied); set per instance, never
+    #: compared, and not carried over by :meth:`replace`.
+    _resolved: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -189,7 +183,7 @@ class OffloadConfig:
         """Apply ``MAGI_OFFLOAD_<FIELD>`` environment variables (e.g. ``MAGI_OFFLOAD_POLICY=base``) on ``base``.
 
         Optional fields accept ``none``; byte sizes accept suffixes (``512MiB``, ``2GB``). Unknown
-        ``MAGI_OFFLOAD_*`` variables are logged as a warning (other parts of magi-core may define some).
+        ``MAGI_OFFLOAD_*`` variables are ignored (logged at debug level; other parts of magi-core may define some).
         """
         base = base if base is not None else cls()
         env = os.environ if environ is None else environ
@@ -211,8 +205,19 @@ def resolve_config(
     options: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> OffloadConfig:
-    """The effective config: ``config`` (or defaults), then ``options``, then ``MAGI_OFFLOAD_*`` overrides."""
-    return OffloadConfig.from_env(OffloadConfig.from_options(options, base=config), environ=environ)
+    """The effective config: ``config`` (or defaults), then ``options``, then ``MAGI_OFFLOAD_*`` overrides.
+
+    The result is marked resolved: resolving it again without ``options`` (or ``environ``) returns it
+    unchanged, so the environment is applied once however many layers (``offload``, ``compile_offloaded``,
+    the Dynamo backend) pass the config on.
+    """
+    if config is not None and config._resolved and not options and environ is None:
+        return config
+    resolved = OffloadConfig.from_env(OffloadConfig.from_options(options, base=config), environ=environ)
+    if config is not None and resolved is config:  # nothing changed it: mark a copy, never the caller's object
+        resolved = dataclasses.replace(config)
+    object.__setattr__(resolved, "_resolved", True)
+    return resolved
 
 
 # -- parsing and validation helpers ----------------------------------------------------------------------
@@ -221,24 +226,6 @@ _BYTES = _OPTIONAL
 _INTS = {"lookahead", "warmup_calls"}
 _FLOATS = {"gpu_resident_weight_ratio", "bandwidth_safety_factor", "prefetch_margin_ms"}
 _BOOLS = {"direct_unit_calls"}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_SUFFIX = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """Parse a byte count such as ``1073741824``, ``1GiB``, ``512 MiB``, ``2GB`` or ``1e9``."""
-    match = _SIZE.match(text)
-    if match is None or match.group(2).lower() not in _SUFFIX:
-        raise ValueError(f"not a byte size: {text!r} (examples: 1073741824, 1GiB, 512MiB, 2GB)")
-    value = float(match.group(1)) * _SUFFIX[match.group(2).lower()]
-    if value != int(value):
-        raise ValueError(f"not a whole number of bytes: {text!r}")
-    return int(value)
 
 
 def _parse(name: str, raw: str, source: str | None = None) -> Any:
@@ -250,15 +237,11 @@ def _parse(name: str, raw: str, source: str | None = None) -> Any:
         if name in _BYTES:
             return parse_bytes(text)
         if name in _INTS:
-            return int(text)
+            return parse_int(text)
         if name in _FLOATS:
-            return float(text)
+            return parse_float(text)
         if name in _BOOLS:
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+            return parse_bool(text)
     except ValueError as exc:
         raise ConfigError(f"OffloadConfig.{name}: cannot parse {raw!r} from {where}: {exc}") from None
     return text

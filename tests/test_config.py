@@ -8,18 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from magi_core.config import OffloadConfig, Policy, parse_bytes, resolve_config
+from magi_core import _env
+from magi_core._env import parse_bytes
+from magi_core.config import OffloadConfig, Policy, resolve_config
 from magi_core.errors import ConfigError
-from magi_core.plan import (
-    build_plan,
-    get_scheduler,
-    known_policies,
-    lookahead_plan,
-    register_policy,
-    reload_policies,
-    unregister_policy,
-)
+from magi_core.plan import build_plan, check_policy, known_policies, register_policy, unregister_policy
 from magi_core.plan.contract import Plan, make_profiles
+from magi_core.plan.lookahead import lookahead_plan
+from magi_core.plan.registry import get_scheduler, reload_policies
 
 
 def test_defaults() -> None:
@@ -71,8 +67,33 @@ def test_invalid_values_name_field_value_and_range(field: str, value: object, va
 
 
 def test_unknown_policy_lists_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r"unknown policy 'fastest'.*BASE, COST_EFFECTIVE, HEURISTIC"):
-        OffloadConfig(policy="fastest")
+    c = OffloadConfig(policy="fastest")  # a config never consults the policy registry
+    assert c.policy == "FASTEST"
+    known = r"unknown offload policy '(fastest|FASTEST)'.*BASE, COST_EFFECTIVE, HEURISTIC"
+    for check in (lambda: check_policy("fastest"), lambda: build_plan(make_profiles([100], [1.0]), 1e5, c)):
+        with pytest.raises(ConfigError, match=known) as info:
+            check()
+        assert "register_policy" in str(info.value) and "magi.policies" in str(info.value)
+    assert check_policy("Cost-Effective") == "COST_EFFECTIVE"
+
+
+def test_config_does_not_consult_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building and resolving a config runs no entry-point discovery (the name is checked when planning)."""
+    import magi_core.plan.registry as registry
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("OffloadConfig consulted the policy registry")
+
+    monkeypatch.setattr(registry, "_discover", fail)
+    monkeypatch.setattr(registry, "known_policies", fail)
+    c = resolve_config(OffloadConfig(policy="some_plugin"), {"lookahead": 2}, environ={})
+    assert (c.policy, c.lookahead) == ("SOME_PLUGIN", 2)
+
+
+@pytest.mark.parametrize(("value", "message"), [("", "expected a policy name"), (3, "expected a policy name")])
+def test_policy_must_be_a_name(value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        OffloadConfig(policy=value)  # type: ignore[arg-type]
 
 
 def test_ratio_and_budget_are_exclusive() -> None:
@@ -128,6 +149,46 @@ def test_resolve_precedence_env_over_options_over_config() -> None:
     assert (c.policy, c.lookahead, c.prefetch_margin_ms, c.warmup_calls) == (Policy.BASE, 4, 0.5, 1)
 
 
+def test_resolved_config_is_not_resolved_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment is applied once per compile: a resolved config passes through later layers unchanged."""
+    from magi_core.compile.backend import config_from_options
+
+    monkeypatch.setenv("MAGI_OFFLOAD_LOOKAHEAD", "4")
+    base = OffloadConfig(lookahead=2, warmup_calls=1)
+    resolved = resolve_config(base)
+    assert (resolved.lookahead, resolved.warmup_calls) == (4, 1) and resolved._resolved
+    assert not base._resolved and resolved == OffloadConfig(lookahead=4, warmup_calls=1)
+    applied: list[int] = []
+    real_from_env = OffloadConfig.from_env.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[OffloadConfig], *args: object, **kwargs: object) -> OffloadConfig:
+        applied.append(1)
+        return real_from_env(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(OffloadConfig, "from_env", classmethod(counting))
+    monkeypatch.setenv("MAGI_OFFLOAD_LOOKAHEAD", "3")  # changed after resolution: not seen again
+    assert resolve_config(resolved) is resolved
+    assert config_from_options({"config": resolved}) is resolved
+    assert config_from_options(resolved) is resolved
+    assert applied == []
+    # options on top of a resolved config: options over config, then the environment over both (once)
+    again = config_from_options({"config": resolved, "lookahead": 7, "prefetch_margin_ms": 0.5})
+    assert (again.lookahead, again.prefetch_margin_ms) == (3, 0.5) and applied == [1] and again._resolved
+    # a replaced copy is a new, unresolved config
+    assert not resolved.replace(warmup_calls=0)._resolved
+    # an unchanged config is marked on a copy, never on the caller's object
+    monkeypatch.delenv("MAGI_OFFLOAD_LOOKAHEAD")
+    plain = OffloadConfig()
+    assert resolve_config(plain) == plain and resolve_config(plain) is not plain and not plain._resolved
+
+
+def test_backend_options_check_the_policy() -> None:
+    from magi_core.compile.backend import config_from_options
+
+    with pytest.raises(ConfigError, match="unknown offload policy 'NOPE'"):
+        config_from_options({"policy": "nope"})
+
+
 def test_round_trip_to_dict() -> None:
     c = OffloadConfig(policy="cost_effective", gpu_resident_weight_ratio=0.3, max_unit_bytes=1 << 20)
     assert OffloadConfig.from_options(c.to_dict()) == c
@@ -146,6 +207,26 @@ def test_parse_bytes(text: str, value: int) -> None:
 def test_parse_bytes_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+# -- the environment parser (magi_core._env) ----------------------------------------------------------------
+def test_env_parsers_name_the_variable_and_the_fix() -> None:
+    env = {"B": " Yes ", "N": "off", "I": "3", "LOW": "0", "BAD": "x", "F": "1.5", "NEG": "-1", "BLANK": "  "}
+    assert (_env.env_bool("B", env), _env.env_bool("N", env), _env.env_bool("BLANK", env)) == (True, False, None)
+    assert _env.env_int("I", 1, env) == 3 and _env.env_int("UNSET", 1, env) is None
+    assert _env.env_float("F", 0.0, "GiB", env) == 1.5
+    assert _env.env_str("BLANK", env) is None and _env.env_str("B", env) == "Yes"
+    for call, var, fix in [
+        (lambda: _env.env_bool("BAD", env), "BAD", "1/true/yes/on"),
+        (lambda: _env.env_int("BAD", 1, env), "BAD", "whole number >= 1"),
+        (lambda: _env.env_int("LOW", 1, env), "LOW", "whole number >= 1"),
+        (lambda: _env.env_float("NEG", 0.0, "GiB", env), "NEG", "number of GiB >= 0"),
+        (lambda: _env.first_env_int(("UNSET", "BAD", "I"), 1, environ=env), "BAD", "or unset it"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert var in str(info.value) and fix in str(info.value)
+    assert _env.first_env_int(("UNSET", "BAD", "NEG", "I"), 0, skip_invalid=True, environ=env) == 3
 
 
 # -- policy plugins -----------------------------------------------------------------------------------------
@@ -203,7 +284,7 @@ def test_plugin_plan_is_validated() -> None:
 def plugin_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A real installed distribution (dist-info on sys.path) declaring ``magi.policies`` entry points."""
     (tmp_path / "magi_policy_plugin_test.py").write_text(textwrap.dedent('''
-        from magi_core.plan import lookahead_plan
+        from magi_core.plan.lookahead import lookahead_plan
 
         class TwoAhead:
             def plan(self, profiles, bandwidth_Bps, config):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 import torch.fx
 from strategies import fake_run_on, flat_tensors, trace_with
@@ -138,15 +139,18 @@ def test_nested_graph_modules_are_rewritten_and_recompiled() -> None:
     assert flat_tensors(out)[0].device == META
 
 
-def test_defaults_come_from_the_registry() -> None:
-    """Without arguments the active backend picks the target; on the CPU backend the pass changes nothing."""
+def test_active_backend_target() -> None:
+    """With the active backend's device and aliases (as the compile backend passes them); on the CPU backend
+    the pass changes nothing. The pass never looks the backend up itself."""
     backend = get_backend()
 
     def build(graph: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
         return graph.call_method("to", (x, CPU))
 
     gm = _graph_with(build)
-    report = place_on_device(gm)
+    with pytest.raises(TypeError):
+        place_on_device(gm)  # type: ignore[call-arg]
+    report = place_on_device(gm, backend.device(), backend.to_method_aliases)
     assert report.device.type == backend.device().type
     if not backend.is_accelerator:
         assert not report.changed and "device(type='cpu')" in gm.code

@@ -61,7 +61,7 @@ def _close(got: Any, want: Any) -> None:
 
 
 def _place_and_split(gm: torch.fx.GraphModule, ex: list[Any]) -> dict[str, Any]:
-    report = place_on_device(gm, example_inputs=ex)  # device and aliases from the registry
+    report = place_on_device(gm, _device(), get_backend().to_method_aliases, example_inputs=ex)
     split = split_into_units(clone_graph_module(gm), ex)
     return {"report": report, "split": split}
 
@@ -97,5 +97,5 @@ def test_fx_graphs_run_on_the_accelerator(spec: FxSpec) -> None:
     with orig_to_installed(), torch.no_grad():
         gm, inputs = build_fx_graph(spec)
         reference = clone_graph_module(gm)(*inputs)
-        place_on_device(gm, example_inputs=inputs)
+        place_on_device(gm, device, aliases, example_inputs=inputs)
         _close(gm(*inputs_on(device, inputs)), reference)

@@ -160,7 +160,7 @@ class M(nn.Module):
 seen = {}
 def backend_fn(gm, ex):
     seen["targets"] = [(n.op, n.target) for n in gm.graph.nodes]
-    seen["report"] = place_on_device(gm, example_inputs=ex)  # device and aliases from the registry
+    seen["report"] = place_on_device(gm, backend.device(), backend.to_method_aliases, example_inputs=ex)
     seen["gm"], seen["ex"] = gm, ex
     split_into_units(gm, ex)
     return lambda *a: (torch.zeros(3, 4, dtype=torch.float16),)

@@ -10,15 +10,11 @@ from hypothesis import strategies as st
 
 from magi_core.config import OffloadConfig
 from magi_core.errors import ConfigError
-from magi_core.plan import (
-    best_step_ms,
-    build_plan,
-    heuristic_plan,
-    lookahead_plan,
-    ratio_cap,
-    simulate,
-)
+from magi_core.plan import build_plan, simulate
+from magi_core.plan.common import ratio_cap
 from magi_core.plan.contract import STEP_START, Plan, UnitProfile, make_profiles
+from magi_core.plan.heuristic import best_step_ms, heuristic_plan
+from magi_core.plan.lookahead import lookahead_plan
 
 BW = 100e3  # 100 bytes per ms: a 100-byte unit takes 1 ms to copy
 POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")

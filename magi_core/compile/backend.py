@@ -26,21 +26,32 @@ from magi_core.compile.lifecycle import OffloadLifecycle
 from magi_core.config import OffloadConfig, resolve_config
 from magi_core.errors import ConfigError
 from magi_core.execute.executor import OffloadExecutor
+from magi_core.plan.registry import check_policy
 from magi_core.plugin.manager import get_backend
 
 logger = logging.getLogger(__name__)
 
 def config_from_options(options: Mapping[str, Any] | OffloadConfig | None) -> OffloadConfig:
-    """The effective config from ``torch.compile`` options (``"config"`` key, fields) and the environment."""
+    """The effective config from ``torch.compile`` options (``"config"`` key, fields) and the environment.
+
+    A config :func:`~magi_core.config.resolve_config` already resolved (what :func:`magi_core.offload` passes)
+    is used as it is; the policy name is checked here, before any compile work.
+    """
+    base: OffloadConfig | None = None
+    rest: dict[str, Any] | None = None
     if options is None or isinstance(options, OffloadConfig):
-        return resolve_config(options)
-    if not isinstance(options, Mapping):
+        base = options
+    elif isinstance(options, Mapping):
+        rest = dict(options)
+        given = rest.pop("config", None)
+        if given is not None and not isinstance(given, OffloadConfig):
+            raise ConfigError(f"magi_offload option 'config' must be an OffloadConfig, got {type(given).__name__}")
+        base = given
+    else:
         raise ConfigError(f"magi_offload options must be a dict of OffloadConfig fields, got {type(options).__name__}")
-    rest = dict(options)
-    base = rest.pop("config", None)
-    if base is not None and not isinstance(base, OffloadConfig):
-        raise ConfigError(f"magi_offload option 'config' must be an OffloadConfig, got {type(base).__name__}")
-    return resolve_config(base, rest)
+    cfg = resolve_config(base, rest)
+    check_policy(cfg.policy)
+    return cfg
 
 
 def build_runtime(

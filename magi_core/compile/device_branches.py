@@ -1,6 +1,6 @@
 """Detect model code that branches on the device type while Dynamo traces it with host tensors.
 
-Hazard (origin.md section 1): the offload backend receives a graph Dynamo traced with the weights on the
+Hazard: the offload backend receives a graph Dynamo traced with the weights on the
 host, so ``if x.is_<accelerator>:`` or ``if x.device.type == "<accelerator>":`` took its host branch at
 trace time, silently and for good (a fused accelerator kernel is never used). Dynamo does not record the
 branch in the graph, and its tensor guards cover the device without naming the test, so the check reads

@@ -12,11 +12,7 @@ from typing import Any
 import torch
 
 from magi_core.compile.device_inputs import current_substitutions
-
-
-def is_host_scalar(t: Any) -> bool:
-    """True for a 0-dim tensor on the host: Dynamo's lifted float/int scalars (read back with ``.item()``)."""
-    return isinstance(t, torch.Tensor) and t.dim() == 0 and t.device.type == "cpu"
+from magi_core.passes.weights import is_host_scalar
 
 
 class InputPreparer:
@@ -44,7 +40,7 @@ class InputPreparer:
                     env[i] = d
                     self.substituted += 1
                     continue
-            if isinstance(a, torch.Tensor) and a.device.type != dtype and not (a.dim() == 0 and a.device.type == "cpu"):
+            if isinstance(a, torch.Tensor) and a.device.type != dtype and not is_host_scalar(a):
                 self.bytes_moved += a.nbytes
                 a = a.to(device, non_blocking=True)
             env[i] = a

@@ -11,21 +11,8 @@ import torch
 import torch.fx
 
 from magi_core.errors import ConfigError
-from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
-
-UNIT_COMPILERS = ("auto", "inductor", "eager")
-
-
-def resolve_unit_compiler(name: str, backend: Backend) -> str:
-    """``auto`` means Inductor on accelerators and eager on the CPU reference backend."""
-    if name not in UNIT_COMPILERS:
-        raise ConfigError(f"unit_compiler must be one of {', '.join(UNIT_COMPILERS)}, got {name!r}")
-    if name == "auto":
-        return "inductor" if backend.is_accelerator else "eager"
-    return name
-
 
 #: A unit as the executor calls it: boxed (one list of arguments, which the callee may clear).
 UnitFn = Callable[[list[Any]], Any]
@@ -66,12 +53,13 @@ def _boxed(fn: Callable[..., Any]) -> UnitFn:
 def compile_unit(module: torch.fx.GraphModule, args: Sequence[Any]) -> Callable[..., Any]:
     """``module`` compiled by Inductor for ``args``, from fakes under a shape environment.
 
-    Two reasons for the shape environment. Dynamo lifts Python floats to 0-dim host tensors read back with
-    ``.item()`` (origin.md section 2); Inductor fake-copies real example inputs without a shape environment,
-    where ``.item()`` raises ``DataDependentOutputException``; under one, ``.item()`` is a symbolic float and
-    the compiled unit reads the value on every call. And without a shape environment Inductor bypasses its FX
-    graph cache ("No shape env"), so every configuration, process and run would compile every unit again;
-    with it, a unit compiled once (same graph, shapes, dtypes and devices) is reused from the cache.
+    Two reasons for the shape environment. Dynamo lifts Python floats to 0-dim host tensors that the graph
+    reads back with ``.item()`` (host scalars, see :mod:`magi_core.passes.weights`); Inductor fake-copies
+    real example inputs without a shape environment, where ``.item()`` raises
+    ``DataDependentOutputException``; under one, ``.item()`` is a symbolic float and the compiled unit reads
+    the value on every call. And without a shape environment Inductor bypasses its FX graph cache ("No shape
+    env"), so every configuration, process and run would compile every unit again; with it, a unit compiled
+    once (same graph, shapes, dtypes and devices) is reused from the cache.
     Shapes stay static: one compiled unit per input shape, as the executor expects.
     """
     from torch._guards import TracingContext, tracing

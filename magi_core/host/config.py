@@ -16,60 +16,25 @@ Environment variables (read when :meth:`HostOptions.resolve` runs; an explicit f
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from magi_core._env import GIB, env_bool, env_float, env_int, env_str
 from magi_core.errors import ConfigError
+from magi_core.host.topology import resolve_ep_size
 
-ENV_EP_SIZE = "MAGI_EP_SIZE"
 ENV_SKIP_SHM = "MAGI_SKIP_SHM"
 ENV_PIN_CONCURRENCY = "MAGI_PIN_CONCURRENCY"
 ENV_PIN_BUDGET_GB = "MAGI_PIN_BUDGET_GB"
 ENV_SHM_DIR = "MAGI_SHM_DIR"
 DEFAULT_SHM_DIR = "/dev/shm"
-GIB = 1 << 30
 
 MismatchPolicy = Literal["error", "per_rank"]
 
 
-def _env_bool(name: str) -> bool | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a boolean; use 1 or 0")
-
-
-def env_int(name: str, minimum: int) -> int | None:
-    """Integer variable ``name`` (None when unset or blank); a non-integer or one below ``minimum`` raises."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer; set a whole number >= {minimum} or unset it") from None
-    if value < minimum:
-        raise ConfigError(f"{name}={value} is below {minimum}; set a whole number >= {minimum} or unset it")
-    return value
-
-
 def _env_gib(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number of GiB; set e.g. {name}=40 or unset it") from None
-    if value < 0:
-        raise ConfigError(f"{name}={raw!r} is negative; set a number of GiB >= 0 or unset it")
-    return int(value * GIB)
+    gib = env_float(name, minimum=0.0, unit="GiB")
+    return None if gib is None else int(gib * GIB)
 
 
 @dataclass(frozen=True)
@@ -103,12 +68,10 @@ class HostOptions:
 
     def resolve(self) -> HostOptions:
         """A copy with every None filled from the environment or the default; validates the values."""
-        from magi_core.host.topology import resolve_ep_size
-
-        skip = self.skip_shm if self.skip_shm is not None else bool(_env_bool(ENV_SKIP_SHM))
+        skip = self.skip_shm if self.skip_shm is not None else bool(env_bool(ENV_SKIP_SHM))
         conc = self.pin_concurrency if self.pin_concurrency is not None else env_int(ENV_PIN_CONCURRENCY, 1)
         budget = self.pin_budget_bytes if self.pin_budget_bytes is not None else _env_gib(ENV_PIN_BUDGET_GB)
-        shm_dir = self.shm_dir or os.environ.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR
+        shm_dir = self.shm_dir or env_str(ENV_SHM_DIR) or DEFAULT_SHM_DIR
         resolved = replace(
             self,
             ep_size=resolve_ep_size(self.ep_size),

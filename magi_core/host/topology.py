@@ -12,8 +12,8 @@ EP size, first match wins:
 
 Node-local peers are found by exchanging (host name, shm-directory device and inode, uid) over
 torch.distributed, so ranks that can open the same file are grouped whatever launcher started them;
-``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` (torchrun), ``OMPI_COMM_WORLD_LOCAL_*`` and ``SLURM_LOCALID`` are
-only cross-checked.
+the launchers' node-local world size (``LOCAL_WORLD_SIZE`` of torchrun, ``OMPI_COMM_WORLD_LOCAL_SIZE``,
+``MPI_LOCALNRANKS``) is only cross-checked.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from magi_core._env import first_env_int
 from magi_core.errors import ConfigError
-from magi_core.host.config import env_int
 
 logger = logging.getLogger(__name__)
 
 ENV_EP_SIZE = "MAGI_EP_SIZE"
 LAUNCHER_EP_VARS = ("EXPERT_MODEL_PARALLEL_SIZE", "EXPERT_PARALLEL_SIZE", "EP_SIZE")
-LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 LOCAL_WORLD_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
@@ -44,29 +43,13 @@ def resolve_ep_size(explicit: int | None = None) -> int:
         if explicit < 1:
             raise ConfigError(f"ep_size={explicit}: must be >= 1")
         return int(explicit)
-    for name in (ENV_EP_SIZE, *LAUNCHER_EP_VARS):
-        value = env_int(name, minimum=1)
-        if value is not None:
-            return value
-    return 1
-
-
-def _first_int_env(names: tuple[str, ...]) -> int | None:
-    for name in names:
-        raw = os.environ.get(name, "").strip()
-        if raw.isdigit():
-            return int(raw)
-    return None
-
-
-def env_local_rank() -> int | None:
-    """The node-local rank a launcher exported (torchrun, Open MPI, MPICH, Slurm), or None."""
-    return _first_int_env(LOCAL_RANK_VARS)
+    value = first_env_int((ENV_EP_SIZE, *LAUNCHER_EP_VARS), minimum=1)
+    return 1 if value is None else value
 
 
 def env_local_world_size() -> int | None:
     """The node-local world size a launcher exported, or None."""
-    return _first_int_env(LOCAL_WORLD_VARS)
+    return first_env_int(LOCAL_WORLD_VARS, minimum=0, skip_invalid=True)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,11 @@ metadata is not enough (``x.index_select(0, idx.to(cpu))`` then meets a device m
   (Dynamo's lifted Python floats, read back with ``.item()``), both their nodes and their metadata;
 * explicit ``x.cpu()`` calls (the model asked for the host).
 
-Weights keep their ``nn.Parameter`` wrapping in the moved metadata (origin.md section 3).
+Weights keep their ``nn.Parameter`` wrapping in the moved metadata: the split pass and the executor
+recognise weights by it.
+
+The target device and the backend's ``.to`` method aliases are always passed in (the compile backend passes
+the active backend's); nothing here looks up a global backend.
 """
 
 from __future__ import annotations
@@ -24,7 +28,13 @@ import torch
 import torch.fx
 from torch import nn
 
-from magi_core.passes.weights import VALUE_KEYS, is_parameter_placeholder, is_parameter_value
+from magi_core.passes.weights import (
+    VALUE_KEYS,
+    is_host_scalar,
+    is_parameter_placeholder,
+    is_parameter_value,
+    node_value,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +92,6 @@ def _is_device_like(value: Any) -> bool:
             return False
         return True
     return False
-
-
-def _value(node: torch.fx.Node) -> Any:
-    for key in VALUE_KEYS:
-        if key in node.meta:
-            return node.meta[key]
-    return None
 
 
 def _is_0dim_tensor(value: Any) -> bool:
@@ -168,7 +171,7 @@ def _graph_modules(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
 
 def _tensor_inputs(node: torch.fx.Node) -> Iterable[torch.fx.Node]:
     for n in node.all_input_nodes:
-        v = _value(n)
+        v = node_value(n)
         if v is None or isinstance(v, torch.Tensor) or isinstance(v, (tuple, list)):
             yield n
 
@@ -221,12 +224,12 @@ class _GraphPlacer:
 
     # -- placeholders ---------------------------------------------------------------------------
     def _placeholder(self, node: torch.fx.Node, index: int) -> None:
-        v = _value(node)
+        v = node_value(node)
         ex = None
         if self.example_inputs is not None and index < len(self.example_inputs):
             ex = self.example_inputs[index]
         is_param = is_parameter_placeholder(node, ex)
-        if isinstance(v, torch.Tensor) and not is_param and v.dim() == 0 and v.device.type == "cpu":
+        if not is_param and is_host_scalar(v):
             self.host.add(node)
             return
         key = next((k for k in VALUE_KEYS if k in node.meta), None)
@@ -274,7 +277,7 @@ class _GraphPlacer:
 
     # -- device= in factories ---------------------------------------------------------------------
     def _rewrite_factory(self, node: torch.fx.Node) -> bool:
-        if _is_0dim_tensor(_value(node)):
+        if _is_0dim_tensor(node_value(node)):
             return False  # a 0-dim result made on the host stays a host scalar
         changed = False
         if is_cpu_device(node.kwargs.get("device")):
@@ -294,8 +297,8 @@ class _GraphPlacer:
 
     # -- metadata -------------------------------------------------------------------------------
     def _computes_host_scalar(self, node: torch.fx.Node) -> bool:
-        v = _value(node)
-        if not (_is_0dim_tensor(v) and v.device.type == "cpu"):
+        v = node_value(node)
+        if not is_host_scalar(v):
             return False
         return all(n in self.host for n in _tensor_inputs(node))
 
@@ -304,7 +307,7 @@ class _GraphPlacer:
         before = self.mover.moved
 
         def keep(t: torch.Tensor) -> bool:
-            return host and t.dim() == 0 and not is_parameter_value(t)
+            return host and is_host_scalar(t)
 
         for key in VALUE_KEYS:
             if key in node.meta:
@@ -314,23 +317,17 @@ class _GraphPlacer:
 
 def place_on_device(
     gm: torch.fx.GraphModule,
-    device: torch.device | str | None = None,
-    aliases: Sequence[str] | None = None,
+    device: torch.device | str,
+    aliases: Sequence[str],
     *,
     example_inputs: Sequence[Any] | None = None,
 ) -> PlacementReport:
     """Rewrite ``gm`` (and nested GraphModules) in place so tensors it places on the CPU go to ``device``.
 
-    ``device`` and ``aliases`` default to the active backend's (``get_backend().device()`` and
-    ``to_method_aliases``). ``example_inputs`` (the real graph inputs, optional) lets a weight whose
-    fake value lost its ``nn.Parameter`` wrapping get it back. Idempotent; returns what changed.
+    ``aliases``: the names of ``Tensor.to`` in traced graphs (the backend's ``to_method_aliases``, e.g.
+    ``("to",)``). ``example_inputs`` (the real graph inputs, optional) lets a weight whose fake value lost
+    its ``nn.Parameter`` wrapping get it back. Idempotent; returns what changed.
     """
-    if device is None or aliases is None:
-        from magi_core.plugin.manager import get_backend
-
-        backend = get_backend()
-        device = backend.device() if device is None else device
-        aliases = backend.to_method_aliases if aliases is None else aliases
     target = torch.device(device)
     report = PlacementReport(device=target)
     if target.type == "cpu":

@@ -1,75 +1,47 @@
-"""Pure planning: turn per-unit profiles and the measured bandwidth into a :class:`~magi_core.plan.contract.Plan`.
+"""Pure planning: turn per-unit profiles and the measured bandwidth into a :class:`Plan`. No device is touched.
 
-Policies: BASE and COST_EFFECTIVE (:mod:`.lookahead`), HEURISTIC (:mod:`.heuristic`), and any added through
-:func:`register_policy` or the ``magi.policies`` entry-point group. :func:`simulate` predicts a plan's
-step time, stall and peak device bytes. No device is touched here.
+Table of contents:
+
+* :func:`build_plan` plans with ``config.policy``; :func:`simulate` predicts a plan's step time, stall and
+  peak device bytes (:class:`SimResult`).
+* :class:`Plan` (what the executor runs) and :class:`UnitProfile` (what it plans from): :mod:`.contract`.
+* Policies: BASE and COST_EFFECTIVE (:class:`BaseScheduler`, :class:`CostEffectiveScheduler`,
+  :mod:`.lookahead`), HEURISTIC (:class:`HeuristicScheduler`, :mod:`.heuristic`), and any
+  :class:`Scheduler` added with :func:`register_policy` or the ``magi.policies`` entry-point group
+  (:mod:`.registry`); :func:`check_policy` and :func:`known_policies` tell which names can be used.
+
+Helpers (planning bandwidth, resident-share caps, the look-ahead and heuristic plan builders, entry-point
+reloading) are imported from their modules: :mod:`.common`, :mod:`.lookahead`, :mod:`.heuristic`,
+:mod:`.registry`, :mod:`.simulate`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-from magi_core.plan.common import planning_bandwidth, ratio_cap
 from magi_core.plan.contract import Plan, UnitProfile
-from magi_core.plan.heuristic import (
-    HeuristicScheduler,
-    best_step_ms,
-    heuristic_plan,
-    stall_removing_residency,
-)
-from magi_core.plan.lookahead import BaseScheduler, CostEffectiveScheduler, lookahead_plan
+from magi_core.plan.heuristic import HeuristicScheduler
+from magi_core.plan.lookahead import BaseScheduler, CostEffectiveScheduler
 from magi_core.plan.registry import (
-    POLICY_ENTRY_POINT_GROUP,
     Scheduler,
-    SchedulerFactory,
-    get_scheduler,
+    build_plan,
+    check_policy,
     known_policies,
     register_policy,
-    reload_policies,
     unregister_policy,
 )
-from magi_core.plan.simulate import SimResult, simulate, transfer_ms
-
-if TYPE_CHECKING:
-    from magi_core.config import OffloadConfig
-
-
-def build_plan(profiles: Sequence[UnitProfile], bandwidth_Bps: float, config: OffloadConfig) -> Plan:
-    """Plan with ``config.policy`` from profiles (execution order) and the *measured* bandwidth in bytes/s.
-
-    The scheduler applies ``config.bandwidth_safety_factor``; the returned plan is validated.
-    """
-    plan = get_scheduler(str(config.policy)).plan(list(profiles), bandwidth_Bps, config)
-    plan.validate(profiles)
-    return plan
-
-
-#: Alias of :func:`build_plan`.
-make_plan = build_plan
-
+from magi_core.plan.simulate import SimResult, simulate
 
 __all__ = [
-    "POLICY_ENTRY_POINT_GROUP",
     "BaseScheduler",
     "CostEffectiveScheduler",
     "HeuristicScheduler",
+    "Plan",
     "Scheduler",
-    "SchedulerFactory",
     "SimResult",
-    "best_step_ms",
-    "get_scheduler",
-    "heuristic_plan",
-    "known_policies",
-    "lookahead_plan",
+    "UnitProfile",
     "build_plan",
-    "make_plan",
-    "planning_bandwidth",
-    "ratio_cap",
+    "check_policy",
+    "known_policies",
     "register_policy",
-    "reload_policies",
     "simulate",
-    "stall_removing_residency",
-    "transfer_ms",
     "unregister_policy",
 ]

@@ -6,7 +6,8 @@ returning an object with ``plan(profiles, bandwidth_Bps, config) -> Plan``)::
     [project.entry-points."magi.policies"]
     my_policy = "my_package.schedulers:MyScheduler"
 
-Policy names are case-insensitive (stored upper-case).
+Policy names are case-insensitive (stored upper-case; :func:`magi_core.config.normalize_policy`).
+:func:`build_plan` plans with the config's policy; :func:`check_policy` checks a name early.
 """
 
 from __future__ import annotations
@@ -14,17 +15,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import importlib_metadata
 
+from magi_core.config import OffloadConfig, Policy, normalize_policy
 from magi_core.errors import ConfigError
 from magi_core.plan.contract import Plan, UnitProfile
 from magi_core.plan.heuristic import HeuristicScheduler
 from magi_core.plan.lookahead import BaseScheduler, CostEffectiveScheduler
-
-if TYPE_CHECKING:
-    from magi_core.config import OffloadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +52,15 @@ _discovered: dict[str, SchedulerFactory] | None = None
 _load_errors: dict[str, str] = {}
 
 
-def policy_key(name: str) -> str:
-    """The canonical (upper-case) form of a policy name."""
-    return name.strip().upper().replace("-", "_")
+def _key(name: Policy | str) -> str:
+    return str(normalize_policy(name))
 
 
 def register_policy(name: str, factory: SchedulerFactory, replace: bool = False) -> None:
     """Register ``factory`` (a scheduler class or zero-argument callable) under policy ``name``."""
-    key = policy_key(name)
-    if not key:
+    if not isinstance(name, str) or not name.strip():
         raise ConfigError("register_policy: the policy name must not be empty")
+    key = _key(name)
     if not callable(factory):
         raise ConfigError(f"register_policy({name!r}): factory must be a scheduler class or a callable returning one")
     with _lock:
@@ -74,7 +72,7 @@ def register_policy(name: str, factory: SchedulerFactory, replace: bool = False)
 def unregister_policy(name: str) -> None:
     """Remove a policy added with :func:`register_policy` (built-ins cannot be removed)."""
     with _lock:
-        _registered.pop(policy_key(name), None)
+        _registered.pop(_key(name), None)
 
 
 def _discover() -> dict[str, SchedulerFactory]:
@@ -84,7 +82,7 @@ def _discover() -> dict[str, SchedulerFactory]:
             found: dict[str, SchedulerFactory] = {}
             _load_errors.clear()
             for ep in importlib_metadata.entry_points(group=POLICY_ENTRY_POINT_GROUP):
-                key = policy_key(ep.name)
+                key = _key(ep.name)
                 try:
                     obj = ep.load()
                 except Exception as exc:  # reported in the log and when the policy is asked for
@@ -113,16 +111,49 @@ def known_policies() -> tuple[str, ...]:
         return tuple(dict.fromkeys([*_BUILTIN, *_registered, *_discover()]))
 
 
-def get_scheduler(policy: str) -> Scheduler:
-    """A new scheduler for ``policy`` (any case); unknown names raise :class:`ConfigError` listing known ones."""
-    key = policy_key(str(policy))
+def _unknown(policy: Policy | str, key: str, error: str | None) -> ConfigError:
+    hint = f" (its entry point failed to load: {error})" if error else ""
+    return ConfigError(
+        f"unknown offload policy {str(policy)!r}{hint}; known policies: {', '.join(known_policies())}. "
+        f"Plugins add policies with magi_core.plan.register_policy({key.lower()!r}, SchedulerClass) or an "
+        f"entry point in the {POLICY_ENTRY_POINT_GROUP!r} group"
+    )
+
+
+def _factory(policy: Policy | str) -> SchedulerFactory:
+    key = _key(policy)
     with _lock:
         factory = _registered.get(key) or _BUILTIN.get(key) or _discover().get(key)
         error = _load_errors.get(key)
     if factory is None:
-        hint = f" (its entry point failed to load: {error})" if error else ""
-        raise ConfigError(f"unknown offload policy {policy!r}{hint}; known policies: {', '.join(known_policies())}")
+        raise _unknown(policy, key, error)
+    return factory
+
+
+def check_policy(policy: Policy | str) -> str:
+    """The canonical name of ``policy`` when a scheduler can be made for it; else :class:`ConfigError`.
+
+    Raises listing the known policies and how to register one. Called early by :func:`magi_core.offload`,
+    :func:`magi_core.api.compile_offloaded` and the ``magi_offload`` backend, so a typo fails before any work.
+    """
+    _factory(policy)
+    return _key(policy)
+
+
+def get_scheduler(policy: Policy | str) -> Scheduler:
+    """A new scheduler for ``policy`` (any case); unknown names raise :class:`ConfigError` listing known ones."""
+    factory = _factory(policy)
     scheduler = factory()
     if not callable(getattr(scheduler, "plan", None)):
-        raise ConfigError(f"policy {key!r}: {factory!r} did not return an object with a plan() method")
+        raise ConfigError(f"policy {_key(policy)!r}: {factory!r} did not return an object with a plan() method")
     return scheduler
+
+
+def build_plan(profiles: Sequence[UnitProfile], bandwidth_Bps: float, config: OffloadConfig) -> Plan:
+    """Plan with ``config.policy`` from profiles (execution order) and the *measured* bandwidth in bytes/s.
+
+    The scheduler applies ``config.bandwidth_safety_factor``; the returned plan is validated.
+    """
+    plan = get_scheduler(config.policy).plan(list(profiles), bandwidth_Bps, config)
+    plan.validate(profiles)
+    return plan

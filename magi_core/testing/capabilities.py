@@ -23,8 +23,3 @@ def allocation_problem(backend: Backend) -> str | None:
     if not backend.is_accelerator:
         return None
     return _allocation_check(backend.device_type, backend.device().index)
-
-
-def can_allocate(backend: Backend) -> bool:
-    """True when tensors can live on the backend's device."""
-    return allocation_problem(backend) is None
