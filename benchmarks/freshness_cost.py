@@ -1,0 +1,64 @@
+"""Host cost of noticing weight edits between calls (``magi_core.execute.freshness.WeightWatch``), per weight.
+
+Every call checks the weights whose device copies outlive a call (resident ones, the next call's prefetched
+first ones): identity, data pointer and version counter of each, plus one gather of sampled elements per
+host arena. This measures that check for N weights laid out in one arena (as ``offload`` lays them out) and
+writes a JSON document with hardware and date. Target (correctness issue): <= 1 us per weight.
+
+    python benchmarks/freshness_cost.py --out benchmarks/results/<date>-freshness-<host>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from magi_core.execute.freshness import WeightWatch
+
+
+def measure(n_weights: int, numel: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Median ns per ``changed`` call and per weight, for ``n_weights`` unchanged weights of one arena."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    arena = torch.zeros(n_weights * numel * item, dtype=torch.uint8)
+    weights = [arena[k * numel * item:(k + 1) * numel * item].view(dtype) for k in range(n_weights)]
+    watch = WeightWatch(tuple(range(n_weights)))
+    watch.changed(weights)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(10):
+            watch.changed(weights)
+        samples.append((time.perf_counter_ns() - t0) / 10)
+    call = statistics.median(samples)
+    return {"weights": n_weights, "numel": numel, "call_us": call / 1e3, "us_per_weight": call / 1e3 / n_weights}
+
+
+def main() -> int:
+    """Measure a few model sizes and write or print the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--repeats", type=int, default=50)
+    args = ap.parse_args()
+    rows = [measure(n, 4096, torch.bfloat16, args.repeats) for n in (16, 64, 291, 1024)]
+    doc = {
+        "what": "WeightWatch.changed per call, unchanged weights in one arena (the steady-state cost)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": platform.processor() or platform.machine(), "python": platform.python_version(),
+        "torch": torch.__version__, "target_us_per_weight": 1.0, "rows": rows,
+    }
+    text = json.dumps(doc, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
