@@ -14,6 +14,11 @@ from magi_core.bench.models import TransformerSpec, build_transformer, example_i
 SPEC = TransformerSpec(layers=3, hidden=32, heads=2)
 THREADS = 8
 
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to float32 rounding, wherever the offloaded output lives (the device, or the host on CPU)."""
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-4, atol=1e-4)
+
+
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
 def test_first_call_from_many_threads(shm_dir: str, ratio: float) -> None:
@@ -46,7 +51,7 @@ def test_first_call_from_many_threads(shm_dir: str, ratio: float) -> None:
         assert not errors, errors
         for k in range(THREADS):
             for out in outs[k]:
-                torch.testing.assert_close(out, refs[k])
+                close(out, refs[k])
         h = magi_core.handle(model)
         assert h.compile_count == 1, "one compile for one input shape, however many threads call first"
         assert h.runtime.phase == "planned"

@@ -24,6 +24,11 @@ from magi_core.execute.transfer import PerTensorTransfer
 
 SPEC = TransformerSpec(layers=3, hidden=32, heads=2)
 
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to float32 rounding, wherever the offloaded output lives (the device, or the host on CPU)."""
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach().cpu(), rtol=1e-4, atol=1e-4)
+
+
 
 class CloningTransfer(PerTensorTransfer):
     """Every fetch is a real copy into new memory, as on a device with its own memory."""
@@ -115,12 +120,12 @@ def test_weight_edit_between_calls_is_seen(shm_dir: str, edit: str, policy: str,
     try:
         with torch.no_grad():
             for _ in range(4):  # warm-up, profile, static plan, steady state (prefetch carried across calls)
-                torch.testing.assert_close(model(x), ref(x))
+                close(model(x), ref(x))
             EDITS[edit](model)
             EDITS[edit](ref)
             expected = ref(x)
             for _ in range(2):
-                torch.testing.assert_close(model(x), expected)
+                close(model(x), expected)
     finally:
         magi_core.release(model)
 
@@ -133,13 +138,13 @@ def test_buffer_edits_are_seen(shm_dir: str, ratio: float) -> None:
     try:
         with torch.no_grad():
             for _ in range(4):
-                torch.testing.assert_close(model(x), ref(x))
+                close(model(x), ref(x))
             model.scale.mul_(3.0)
             ref.scale.mul_(3.0)
-            torch.testing.assert_close(model(x), ref(x))
+            close(model(x), ref(x))
             model.register_buffer("scale", torch.full((16,), -1.0))
             ref.register_buffer("scale", torch.full((16,), -1.0))
-            torch.testing.assert_close(model(x), ref(x))
+            close(model(x), ref(x))
     finally:
         magi_core.release(model)
 
@@ -180,7 +185,7 @@ def test_sparse_edit_through_data_is_seen_after_weights_changed(shm_dir: str) ->
             for m in (model, ref):
                 m.blocks[0].mlp.up.weight.data[5, 3] += 1.0  # type: ignore[index, union-attr]
             magi_core.handle(model).weights_changed()
-            torch.testing.assert_close(model(x), ref(x))
+            close(model(x), ref(x))
     finally:
         magi_core.release(model)
 
