@@ -206,3 +206,49 @@ def test_steady_state_calls_copy_no_resident_weight_again(shm_dir: str) -> None:
             assert ex.resident.copies == copies, "unchanged weights must not be copied again"
     finally:
         magi_core.release(model)
+
+
+class Counter(nn.Module):
+    """A step counter updated inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        return self.lin(x) * self.steps
+
+
+class Normed(nn.Module):
+    """BatchNorm, whose running statistics update in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8, track_running_stats=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x))
+
+
+@pytest.mark.parametrize("make,train,written", [(Counter, False, "steps"), (Normed, True, "running_mean")])
+def test_state_written_inside_forward_is_refused(shm_dir: str, make: Any, train: bool, written: str) -> None:
+    model = make().train(train)
+    with pytest.raises(magi_core.MagiError, match=rf"writes to module state .*{written}.*inference"):
+        magi_core.offload(model, magi_core.OffloadConfig(unit_compiler="eager"))(torch.randn(4, 8))
+    magi_core.release(model)
+
+
+def test_batchnorm_in_eval_mode_is_fine(shm_dir: str) -> None:
+    model, ref = Normed().eval(), Normed().eval()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8)
+    magi_core.offload(model, magi_core.OffloadConfig(unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                close(model(x), ref(x))
+    finally:
+        magi_core.release(model)

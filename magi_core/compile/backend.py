@@ -3,7 +3,9 @@
 ``torch.compile(model, backend="magi_offload", options={...})`` calls :func:`magi_offload_backend` with
 ``options=`` as a keyword (torch 2.x passes non-empty ``options``, and ``mode`` when not "default", to
 every registered backend). Options are :class:`~magi_core.config.OffloadConfig` fields, plus
-``"config"`` (an ``OffloadConfig`` to start from); ``MAGI_OFFLOAD_*`` environment variables override both.
+``"config"`` (an ``OffloadConfig`` to start from). Precedence, lowest first: defaults < ``MAGI_OFFLOAD_*``
+environment variables < the config's explicitly set fields < the option entries (the environment only fills
+fields neither set; see :mod:`magi_core.config`).
 
 Inputs must be on the host on this path: Dynamo fake-runs the model's code with its (host) weights before
 any backend is called, so a device input fails inside Dynamo ("found two different devices"), and so does
@@ -24,15 +26,19 @@ import torch.fx
 from magi_core.compile.device_branches import warn_device_branches
 from magi_core.compile.lifecycle import OffloadLifecycle
 from magi_core.config import OffloadConfig, resolve_config
-from magi_core.errors import ConfigError
+from magi_core.errors import ConfigError, MagiError
 from magi_core.execute.executor import OffloadExecutor
+from magi_core.passes.device_placement import place_on_device
+from magi_core.passes.split import split_into_units
+from magi_core.passes.weights import mutated_module_state
 from magi_core.plan.registry import check_policy
 from magi_core.plugin.manager import get_backend
 
 logger = logging.getLogger(__name__)
 
 def config_from_options(options: Mapping[str, Any] | OffloadConfig | None) -> OffloadConfig:
-    """The effective config from ``torch.compile`` options (``"config"`` key, fields) and the environment.
+    """The effective config from ``torch.compile`` options (``"config"`` key, fields) and the environment
+    (option entries > the config's explicit fields > ``MAGI_OFFLOAD_*`` > defaults).
 
     A config :func:`~magi_core.config.resolve_config` already resolved (what :func:`magi_core.offload` passes)
     is used as it is; the policy name is checked here, before any compile work.
@@ -58,9 +64,14 @@ def build_runtime(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: OffloadConfig
 ) -> OffloadLifecycle:
     """Place ``gm`` on the backend's device, split it into units and wrap the executor in its warm-up lifecycle."""
-    from magi_core.passes.device_placement import place_on_device
-    from magi_core.passes.split import split_into_units
-
+    written = mutated_module_state(gm)
+    if written:
+        raise MagiError(
+            f"the offloaded forward writes to module state {', '.join(written)} (an in-place update of a buffer or "
+            "parameter, e.g. a step counter, or BatchNorm in training mode). Offloading is for inference: those "
+            "writes would reach a device copy, never the module. Call model.eval() for norm statistics, or keep "
+            "mutable state outside the forward"
+        )
     backend = get_backend()
     device = backend.device()
     warn_device_branches()

@@ -18,6 +18,7 @@ Rules (read from Dynamo metadata, never from node or submodule names):
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -194,3 +195,47 @@ def weight_input_indices(
         elif include_buffers and is_static_buffer_placeholder(node):
             found[i] = True
     return found
+
+
+#: Functions that update a module's running statistics in place when called with ``training=True``.
+_STAT_UPDATERS = frozenset({"batch_norm", "instance_norm"})
+
+
+def _source_name(node: torch.fx.Node) -> str:
+    """``blocks.0.norm.weight`` for Dynamo's ``L['self']._modules['blocks']._modules['0']...`` (else the node name)."""
+    source = getattr(_grapharg(node), "source", None)
+    name = getattr(source, "name", None)
+    text = name() if callable(name) else name if isinstance(name, str) else node.name
+    parts = re.findall(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", text)
+    return ".".join(parts) if parts else text
+
+
+def mutated_module_state(gm: torch.fx.GraphModule) -> list[str]:
+    """Names of parameters and buffers the graph writes to (in-place ops, training-mode norm statistics).
+
+    Such writes would land on a device copy and never reach the host tensor the module holds.
+    """
+    try:
+        from torch._dynamo.source import is_from_unspecialized_param_buffer_source
+    except ImportError:  # older torch: parameters only
+        is_from_unspecialized_param_buffer_source = None  # type: ignore[assignment]
+    state: dict[torch.fx.Node, str] = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(_grapharg(node), "source", None)
+        from_module = (
+            source is not None and is_from_unspecialized_param_buffer_source is not None
+            and is_from_unspecialized_param_buffer_source(source)
+        )
+        if is_parameter_placeholder(node) or from_module:
+            state[node] = _source_name(node)
+    found = [name for node, name in state.items() if is_mutated(node)]
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "__name__", "") not in _STAT_UPDATERS:
+            continue
+        training = node.kwargs.get("training", node.kwargs.get("use_input_stats"))
+        if training is None and len(node.args) > 5:
+            training = node.args[5]
+        if training is True:
+            found += [state[a] for a in (*node.args[1:3], node.kwargs.get("running_mean"),
+                                         node.kwargs.get("running_var")) if isinstance(a, torch.fx.Node) and a in state]
+    return sorted(set(found))
