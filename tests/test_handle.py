@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.ranges import registered_ranges
 from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 
 import magi_core
@@ -15,7 +16,6 @@ from magi_core.compile.handle import OffloadHandle
 from magi_core.errors import MagiError
 from magi_core.execute.residency import RESIDENT
 from magi_core.execute.transfer import PerTensorTransfer
-from magi_core.plugin.cpu import registered_ranges
 
 SPEC = TransformerSpec(layers=2, hidden=32, heads=2)
 CFG = magi_core.OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=1.0, unit_compiler="eager")
@@ -58,7 +58,8 @@ def test_handle_owns_host_weights_runtimes_and_figures(shm_dir: str) -> None:
             model(x)
         (s2,) = h.stats()
         assert s2.steps == 5
-        assert s2.streamed_bytes_total - s.streamed_bytes_total == h.host.weight_bytes
+        step_bytes = s2.streamed_bytes_total - s.streamed_bytes_total  # one span per unit: alignment gaps too
+        assert h.host.weight_bytes <= step_bytes <= 1.125 * h.host.weight_bytes + 4096 * s.units
         assert s2.weight_copies - s.weight_copies == len(list(model.parameters()))
         with pytest.raises(MagiError, match="already offloaded"):
             magi_core.offload(model)

@@ -8,11 +8,12 @@ the host tensor and hide exactly that bug.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers.copying import CloningTransfer, CopyingSpanTransfer
 from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 from torch import nn
 
@@ -20,7 +21,6 @@ import magi_core
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
 from magi_core.execute import executor as executor_mod
 from magi_core.execute.freshness import WeightWatch
-from magi_core.execute.transfer import PerTensorTransfer
 
 SPEC = TransformerSpec(layers=3, hidden=32, heads=2)
 
@@ -30,12 +30,6 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 
-class CloningTransfer(PerTensorTransfer):
-    """Every fetch is a real copy into new memory, as on a device with its own memory."""
-
-    def fetch(self, hosts: Sequence[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
-        outs, ev = super().fetch(hosts, event)
-        return [o.clone() if o.data_ptr() == h.data_ptr() else o for o, h in zip(outs, hosts, strict=True)], ev
 
 
 class Scaled(nn.Module):
@@ -58,7 +52,7 @@ class Scaled(nn.Module):
 
 @pytest.fixture(autouse=True)
 def _copying_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(executor_mod, "PerTensorTransfer", CloningTransfer)
+    monkeypatch.setattr(executor_mod, "DEFAULT_TRANSFER", CloningTransfer)
     torch._dynamo.reset()
 
 
@@ -109,9 +103,16 @@ EDITS: dict[str, Callable[[nn.Module], None]] = {
 
 
 @pytest.mark.parametrize("edit", sorted(EDITS))
-@pytest.mark.parametrize("policy,ratio", [("BASE", 0.0), ("HEURISTIC", 0.0), ("HEURISTIC", 0.5),
-                                          ("COST_EFFECTIVE", 0.5), ("HEURISTIC", 1.0)])
-def test_weight_edit_between_calls_is_seen(shm_dir: str, edit: str, policy: str, ratio: float) -> None:
+@pytest.mark.parametrize("transfer,policy,ratio", [
+    ("per_tensor", "BASE", 0.0), ("per_tensor", "HEURISTIC", 0.0), ("per_tensor", "HEURISTIC", 0.5),
+    ("per_tensor", "COST_EFFECTIVE", 0.5), ("per_tensor", "HEURISTIC", 1.0),
+    ("span", "BASE", 0.0), ("span", "HEURISTIC", 0.5),  # one copy per unit: streamed weights are views of it
+])
+def test_weight_edit_between_calls_is_seen(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch, edit: str, transfer: str, policy: str, ratio: float
+) -> None:
+    if transfer == "span":
+        monkeypatch.setattr(executor_mod, "DEFAULT_TRANSFER", CopyingSpanTransfer)
     model = build_transformer(SPEC)
     ref = build_transformer(SPEC)
     x = example_input(SPEC, tokens=5)

@@ -33,7 +33,7 @@ from magi_core.execute.freshness import WeightWatch
 from magi_core.execute.inputs import InputPreparer
 from magi_core.execute.program import build_program
 from magi_core.execute.residency import RESIDENT, ResidentSet, ResidentStore
-from magi_core.execute.transfer import PerTensorTransfer, WeightTransfer
+from magi_core.execute.transfer import SpanTransfer, WeightTransfer
 from magi_core.execute.unit_compile import UnitFn, unit_callable
 from magi_core.passes.units import SplitGraph
 from magi_core.plan.contract import Plan
@@ -45,6 +45,10 @@ logger = logging.getLogger(__name__)
 #: (a fixed property of the executor, not a tuning knob: it bounds the streamed allocations pending on the
 #: copy stream; 2 leaves a unit of slack for host jitter before the copy stream could run dry).
 HOST_LEAD_UNITS = 2
+
+#: The transfer an executor uses unless it is handed one: one copy per arena span of a batch (per weight where
+#: the weights do not form a tight span).
+DEFAULT_TRANSFER: Callable[[Backend, torch.device], WeightTransfer] = SpanTransfer
 
 
 class UnitTimerLike:
@@ -98,7 +102,7 @@ class OffloadExecutor:
         self.weight_inputs = weight_inputs
         self.inputs = InputPreparer(device, self.program.n_inputs, sorted(weight_inputs))
         #: Every weight copy goes through this (the transfer seam, :mod:`.transfer`).
-        self.transfer: WeightTransfer = transfer if transfer is not None else PerTensorTransfer(backend, device)
+        self.transfer: WeightTransfer = transfer if transfer is not None else DEFAULT_TRANSFER(backend, device)
         dm = backend.device_module
         self._current_stream = dm.current_stream
         self._done = [dm.Event() for _ in range(self.n_units)]

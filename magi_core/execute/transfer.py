@@ -65,6 +65,8 @@ class PerTensorTransfer:
         self._needs_release = backend.is_accelerator  # the host backend has no device allocator to hand back to
         self.copies = 0
         self.bytes_copied = 0
+        #: Host-to-device copy calls issued (one per weight here; one per span in :class:`SpanTransfer`).
+        self.copy_calls = 0
 
     def fetch(self, hosts: Sequence[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
         """Copy ``hosts`` on the copy stream; ``event`` (optional) is re-recorded instead of creating one."""
@@ -74,6 +76,7 @@ class PerTensorTransfer:
             ev = self._event() if event is None else event
             ev.record(self.copy_stream)
         self.copies += len(hosts)
+        self.copy_calls += len(hosts)
         self.bytes_copied += sum(h.nbytes for h in hosts)
         return outs, ev
 
@@ -94,6 +97,7 @@ class PerTensorTransfer:
             done.record(self.copy_stream)
         compute_stream.wait_event(done)
         self.copies += 1
+        self.copy_calls += 1
         self.bytes_copied += host.nbytes
 
     def release(self, t: torch.Tensor, compute_stream: Any) -> None:
@@ -104,3 +108,101 @@ class PerTensorTransfer:
     def nbytes(self, sizes: Sequence[int]) -> int:
         """Each weight is its own copy: the sum of their sizes."""
         return sum(sizes)
+
+
+#: A batch is copied as one span when the span is at most this much larger than its weights (alignment gaps).
+SPAN_SLACK = 1.125
+
+
+class _Span:
+    """How one batch of host weights is copied as one byte span of their shared storage."""
+
+    __slots__ = ("host", "layout")
+
+    def __init__(self, host: torch.Tensor, layout: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]]):
+        self.host = host  # uint8 view of the span in the host storage
+        self.layout = layout  # per weight: dtype, size, stride, element offset from the span start
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to one past its last."""
+    if t.numel() == 0:
+        return 0
+    return (sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+
+
+def plan_span(hosts: Sequence[torch.Tensor], slack: float = SPAN_SLACK) -> _Span | None:
+    """The span that holds every weight of ``hosts`` in one host storage, or None when they cannot share one.
+
+    They share one when all are host tensors of one storage, every weight starts at a multiple of its element
+    size from the span start, and the span is at most ``slack`` times their bytes (plus a page).
+    """
+    if len(hosts) < 2 or any(h.device.type != "cpu" or h.numel() == 0 for h in hosts):
+        return None
+    storage = hosts[0].untyped_storage()
+    sptr = storage.data_ptr()
+    if any(h.untyped_storage().data_ptr() != sptr for h in hosts):
+        return None
+    lo = min(h.data_ptr() for h in hosts)
+    hi = max(h.data_ptr() + _extent(h) for h in hosts)
+    if hi - lo > slack * sum(_extent(h) for h in hosts) + 4096:
+        return None
+    layout = []
+    for h in hosts:
+        off = h.data_ptr() - lo
+        if off % h.element_size():
+            return None
+        layout.append((h.dtype, tuple(h.shape), tuple(h.stride()), off // h.element_size()))
+    span = torch.empty(0, dtype=torch.uint8).set_(storage, lo - sptr, (hi - lo,))  # type: ignore[call-overload]
+    return _Span(span, layout)
+
+
+class SpanTransfer(PerTensorTransfer):
+    """One copy per batch: the byte span of the arena that holds the batch's weights, then a view per weight.
+
+    Weights that ``offload`` laid out in one arena in module order lie next to each other, so a unit's
+    weights form one span with only alignment gaps; its one device buffer is freed once every view of it
+    was released (the allocator frees a block when its last view is gone, after the streams recorded on it).
+    Batches that do not form a tight span (:func:`plan_span`) fall back to one copy per weight.
+    """
+
+    def __init__(self, backend: Backend, device: torch.device, slack: float = SPAN_SLACK) -> None:
+        super().__init__(backend, device)
+        self._slack = slack
+        self._plans: dict[tuple[tuple[int, int], ...], _Span | None] = {}
+
+    def fetch(self, hosts: Sequence[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
+        """Copy the batch's span on the copy stream and return views of it (per-weight copies when no span)."""
+        key = tuple((id(h), h.data_ptr()) for h in hosts)
+        plan = self._plans.get(key, _MISSING)
+        if plan is _MISSING:
+            if len(self._plans) > 4096:  # weights were replaced many times: forget old layouts
+                self._plans.clear()
+            plan = plan_span(hosts, self._slack)
+            self._plans[key] = plan
+        if plan is None:
+            return super().fetch(hosts, event)
+        assert isinstance(plan, _Span)
+        with self._stream_ctx(self.copy_stream):
+            dev = plan.host.to(self.device, non_blocking=True)
+            ev = self._event() if event is None else event
+            ev.record(self.copy_stream)
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        outs = []
+        for dtype, size, stride, offset in plan.layout:
+            base = typed.get(dtype)
+            if base is None:
+                item = dtype.itemsize
+                base = typed[dtype] = dev[: dev.numel() // item * item].view(dtype)
+            outs.append(base.as_strided(size, stride, base.storage_offset() + offset))  # as_strided's is absolute
+        self.copies += len(hosts)
+        self.copy_calls += 1
+        self.bytes_copied += plan.host.numel()
+        return outs, ev
+
+    def nbytes(self, sizes: Sequence[int]) -> int:
+        """The weights' bytes: alignment gaps inside a span add at most ``slack`` (planning ignores them)."""
+        return sum(sizes)
+
+
+_MISSING: Any = object()
