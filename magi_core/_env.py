@@ -2,17 +2,29 @@
 
 ``parse_*`` turn a text into a value or raise :class:`ValueError` saying what was expected; ``env_*`` read a
 variable (None when it is unset or blank) and raise :class:`~magi_core.errors.ConfigError` naming the
-variable and how to fix it. Every ``MAGI_*`` setting of magi-core is read through here.
+variable and how to fix it. Every ``MAGI_*`` setting of magi-core is read through here. Numbers must be
+finite: ``nan``, ``inf`` and values that overflow (``1e400``) are errors naming the variable.
+
+:data:`KNOWN_VARIABLES` is the registry of every variable magi-core reads (modules add theirs with
+:func:`register_env_names`, e.g. :mod:`magi_core.config` its ``MAGI_OFFLOAD_<FIELD>`` names);
+:func:`warn_unknown_env` logs a warning, once per process and name, for a ``MAGI_*`` variable that is not in
+it and names the closest known one (a typo such as ``MAGI_OFFLOAD_POLCY`` would otherwise be ignored silently).
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
+import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from magi_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -54,24 +66,38 @@ def parse_int(text: str, minimum: int | None = None) -> int:
 
 
 def parse_float(text: str, minimum: float | None = None) -> float:
-    """A number, at least ``minimum`` when given."""
+    """A finite number (``nan``, ``inf`` and overflowing values such as ``1e400`` are refused), at least
+    ``minimum`` when given."""
     try:
         value = float(text)
     except ValueError:
         raise ValueError("not a number") from None
+    if not math.isfinite(value):
+        raise ValueError("not a finite number")
     if minimum is not None and not value >= minimum:
         raise ValueError(f"below {minimum:g}")
     return value
 
 
 def parse_bytes(text: str) -> int:
-    """A byte count such as ``1073741824``, ``1GiB``, ``512 MiB``, ``2GB`` or ``1e9``."""
+    """A byte count such as ``1073741824``, ``1GiB``, ``512 MiB``, ``2GB`` or ``1e9`` (finite)."""
     match = _SIZE.match(text)
     if match is None or match.group(2).lower() not in _SUFFIX:
         raise ValueError("not a byte size (examples: 1073741824, 1GiB, 512MiB, 2GB)")
     value = float(match.group(1)) * _SUFFIX[match.group(2).lower()]
+    if not math.isfinite(value):
+        raise ValueError("not a finite byte size")
     if value != int(value):
         raise ValueError("not a whole number of bytes")
+    return int(value)
+
+
+def parse_gib_bytes(text: str) -> int:
+    """A number of GiB (2**30 bytes, >= 0, fractions allowed) as whole bytes; refuses nan, inf and overflow."""
+    gib = parse_float(text, 0.0)
+    value = gib * GIB
+    if not math.isfinite(value):
+        raise ValueError("too large")
     return int(value)
 
 
@@ -132,23 +158,118 @@ def first_env_int(
 def env_float(
     name: str, minimum: float | None = None, unit: str = "", environ: Mapping[str, str] | None = None
 ) -> float | None:
-    """Numeric variable ``name`` (``unit`` names its unit in messages); None when unset or blank."""
-    want = (f"a number of {unit}" if unit else "a number") + (f" >= {minimum:g}" if minimum is not None else "")
+    """Finite numeric variable ``name`` (``unit`` names its unit in messages); None when unset or blank."""
+    want = (f"a finite number of {unit}" if unit else "a finite number") + (
+        f" >= {minimum:g}" if minimum is not None else ""
+    )
     return _env(name, lambda raw: parse_float(raw, minimum), want, environ)
+
+
+def env_gib_bytes(name: str, environ: Mapping[str, str] | None = None) -> int | None:
+    """Variable ``name`` in GiB (e.g. ``MAGI_PIN_BUDGET_GB=1.5``) as whole bytes; None when unset or blank."""
+    return _env(name, parse_gib_bytes, "a finite number of GiB >= 0", environ)
+
+
+# -- the registry of known variables ---------------------------------------------------------------------
+#: Prefix of every variable magi-core reads.
+PREFIX = "MAGI_"
+#: Prefix of the :class:`~magi_core.config.OffloadConfig` variables (all of them are magi-core's).
+OFFLOAD_PREFIX = "MAGI_OFFLOAD_"
+#: Every ``MAGI_*`` variable magi-core reads (grows with :func:`register_env_names`).
+KNOWN_VARIABLES: set[str] = {
+    "MAGI_BACKEND",  # plugin/manager.py: the backend to use
+    "MAGI_TRACE_HOOKS",  # plugin/manager.py: log every hook call
+    "MAGI_EP_SIZE",  # host/topology.py
+    "MAGI_SKIP_SHM",  # host/config.py
+    "MAGI_PIN_CONCURRENCY",  # host/config.py
+    "MAGI_PIN_BUDGET_GB",  # host/config.py
+    "MAGI_SHM_DIR",  # host/config.py
+    "MAGI_SESSION_INSTALLED",  # benchmarks/device_session.sh (exported to the runs it starts)
+}
+_warned_names: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def register_env_names(names: Iterable[str]) -> None:
+    """Add variables to :data:`KNOWN_VARIABLES` (so :func:`warn_unknown_env` leaves them alone)."""
+    KNOWN_VARIABLES.update(names)
+
+
+def closest_env_name(name: str) -> str | None:
+    """The known variable closest to ``name`` (:func:`difflib.get_close_matches`), or None."""
+    pool = sorted(KNOWN_VARIABLES)
+    if name.startswith(OFFLOAD_PREFIX):  # prefer the config fields, compared without the shared prefix
+        fields = [k for k in pool if k.startswith(OFFLOAD_PREFIX)]
+        tail = name[len(OFFLOAD_PREFIX):].upper()
+        hit = difflib.get_close_matches(tail, [k[len(OFFLOAD_PREFIX):] for k in fields], n=1, cutoff=0.6)
+        if hit:
+            return OFFLOAD_PREFIX + hit[0]
+    hit = difflib.get_close_matches(name, pool, n=1, cutoff=0.75)
+    return hit[0] if hit else None
+
+
+def is_known_env_name(name: str) -> bool:
+    """Whether magi-core reads variable ``name`` (``MAGI_OFFLOAD_<field>`` in any case of the field name)."""
+    if name in KNOWN_VARIABLES:
+        return True
+    return name.startswith(OFFLOAD_PREFIX) and OFFLOAD_PREFIX + name[len(OFFLOAD_PREFIX):].upper() in KNOWN_VARIABLES
+
+
+def unknown_env_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``MAGI_*`` variables set in ``environ`` (the process environment) that magi-core does not read."""
+    env = os.environ if environ is None else environ
+    return sorted(k for k in env if k.startswith(PREFIX) and not is_known_env_name(k))
+
+
+def warn_unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Warn (logging, once per process and name) about unknown ``MAGI_*`` variables; return the messages issued now.
+
+    An unknown ``MAGI_OFFLOAD_*`` name always warns (the prefix is magi-core's), naming the closest valid
+    variable or listing them; another unknown ``MAGI_*`` name warns when it is close to a known one (a likely
+    typo) and is otherwise only logged at debug level (other packages use the ``MAGI_`` prefix too).
+    """
+    messages = []
+    for name in unknown_env_names(environ):
+        with _warn_lock:
+            if name in _warned_names:
+                continue
+            _warned_names.add(name)
+        near = closest_env_name(name)
+        if near is None and not name.startswith(OFFLOAD_PREFIX):
+            logger.debug("%s is not a magi-core variable; ignored", name)
+            continue
+        if near is not None:
+            hint = f"did you mean {near}?"
+        else:
+            hint = "magi-core reads " + ", ".join(sorted(k for k in KNOWN_VARIABLES if k.startswith(OFFLOAD_PREFIX)))
+        msg = f"{name} is not a magi-core environment variable and is ignored; {hint}"
+        logger.warning(msg)
+        messages.append(msg)
+    return messages
 
 
 __all__ = [
     "FALSE_WORDS",
     "GIB",
+    "KNOWN_VARIABLES",
     "MIB",
+    "OFFLOAD_PREFIX",
+    "PREFIX",
     "TRUE_WORDS",
+    "closest_env_name",
     "env_bool",
     "env_float",
+    "env_gib_bytes",
     "env_int",
     "env_str",
     "first_env_int",
+    "is_known_env_name",
     "parse_bool",
     "parse_bytes",
     "parse_float",
+    "parse_gib_bytes",
     "parse_int",
+    "register_env_names",
+    "unknown_env_names",
+    "warn_unknown_env",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -46,14 +47,19 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any 
     h = OffloadHandle(type(model).__name__, cfg)
     h.host = materialize(model, options=host_options)
     try:
-        # nn.Module.__call__ runs ``_compiled_call_impl`` when set: exactly what ``nn.Module.compile`` installs,
-        # here behind the host-side wrapper that hands Dynamo host proxies for device inputs.
-        h.forward = compile_offloaded(model._call_impl, cfg, name=h.name, handle=h, **compile_kwargs)
-    except BaseException:
+        # nn.Module.__call__ runs ``_compiled_call_impl`` when set: what ``nn.Module.compile`` installs, here
+        # behind the host-side wrapper that hands Dynamo host proxies for device inputs. Dynamo compiles a
+        # per-model entry function that calls ``model._call_impl`` (hooks included), so modules whose forward
+        # lives in torch.nn (Sequential, Linear, ...) compile too.
+        h.forward = compile_offloaded(model, cfg, name=h.name, handle=h, **compile_kwargs)
+        model._compiled_call_impl = h.forward
+        model.__dict__[_HANDLE_ATTR] = h
+    except BaseException:  # nothing may be left behind: host weights restored, ranges and mappings released
+        if model.__dict__.get("_compiled_call_impl") is h.forward:
+            model._compiled_call_impl = None
+        model.__dict__.pop(_HANDLE_ATTR, None)
         h.release(restore=True)
         raise
-    model._compiled_call_impl = h.forward
-    model.__dict__[_HANDLE_ATTR] = h
     logger.info("magi offload: %s forward runs through magi_offload (%s)", h.name, cfg.to_dict())
     return model
 
@@ -69,20 +75,46 @@ def compile_offloaded(
     """``fn`` (a module or function whose weights are already on the host) compiled through ``magi_offload``.
 
     One graph (``fullgraph=True``), called through :class:`~magi_core.compile.device_inputs.OffloadedForward`
-    so device inputs work; weights are left as they are (:func:`offload` also materialises them). The runtimes
-    it compiles are recorded in ``handle`` (a new one when None: ``forward.handle``).
+    so device inputs work; weights are left as they are (:func:`offload` also materialises them). A module is
+    compiled through :func:`module_entry` (its hooks run inside the graph). The runtimes it compiles are
+    recorded in ``handle`` (a new one when None: ``forward.handle``).
     """
     _check_compile_kwargs(compile_kwargs)
     compile_kwargs["fullgraph"] = True
-    label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+    if isinstance(fn, nn.Module):
+        label = name or type(fn).__name__
+        target: Callable[..., Any] = module_entry(fn)
+    else:
+        label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        target = fn
     cfg = resolve_config(config)
     check_policy(cfg.policy)
     h = handle if handle is not None else OffloadHandle(label, cfg)
     options: dict[str, Any] = {"config": cfg}
-    compiled = torch.compile(fn, backend=h.backend, options=options, **compile_kwargs)
+    compiled = torch.compile(target, backend=h.backend, options=options, **compile_kwargs)
     backend = get_backend()
     return OffloadedForward(compiled, _device_predicate(backend.device_type, backend.is_accelerator),
                             model_name=label, handle=h)
+
+
+def module_entry(model: nn.Module) -> Callable[..., Any]:
+    """A function, with a code object of its own, that calls ``model`` (``_call_impl``: forward and hooks).
+
+    Dynamo never starts tracing at a frame of torch.nn code, so compiling ``model._call_impl`` (or the
+    forward of an ``nn.Sequential``, ``nn.Linear``, ...) finds no frame to compile; it starts here instead and
+    traces into the module. Dynamo keeps compiled graphs, guards and the recompile limit per code object:
+    each model gets its own copy of the code, so offloading many models (several instances of one class)
+    never shares or exhausts one cache.
+    """
+
+    def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
+        return model._call_impl(*args, **kwargs)
+
+    code = offloaded_forward.__code__.replace(co_name=f"offloaded_forward_{type(model).__name__}")
+    entry = types.FunctionType(code, offloaded_forward.__globals__, code.co_name, None,
+                               offloaded_forward.__closure__)
+    entry.__qualname__ = f"{type(model).__qualname__}.offloaded_forward"
+    return entry
 
 
 def _check_compile_kwargs(compile_kwargs: dict[str, Any]) -> None:

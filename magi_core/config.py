@@ -1,25 +1,44 @@
 """``OffloadConfig``: the offload runtime's settings, from code, ``torch.compile`` options or the environment.
 
-Precedence (:func:`resolve_config`): defaults < ``config=`` < ``options={...}`` < ``MAGI_OFFLOAD_<FIELD>``.
+Precedence (:func:`resolve_config`), lowest first: field defaults < ``MAGI_OFFLOAD_<FIELD>`` environment
+variables < fields passed explicitly to ``OffloadConfig(...)`` (or to :meth:`OffloadConfig.replace`) <
+``torch.compile(..., options={...})`` entries. Environment variables only replace *defaults*: a field the
+code set (even to its default value, e.g. ``OffloadConfig(policy="HEURISTIC")``) is never overridden by
+the environment (the ignored variable is logged as a warning). ``gpu_resident_weight_ratio`` and
+``device_memory_budget_bytes`` are one decision (how much stays resident): setting either explicitly also
+keeps the environment's value for the other out. An unknown ``MAGI_OFFLOAD_*`` variable (a typo) is logged as
+a warning naming the closest valid one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, ClassVar
 
-from magi_core._env import GIB, MIB, parse_bool, parse_bytes, parse_float, parse_int
+from magi_core._env import (
+    GIB,
+    MIB,
+    OFFLOAD_PREFIX,
+    parse_bool,
+    parse_bytes,
+    parse_float,
+    parse_int,
+    register_env_names,
+    warn_unknown_env,
+)
 from magi_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-ENV_PREFIX = "MAGI_OFFLOAD_"
+ENV_PREFIX = OFFLOAD_PREFIX
 #: Bandwidth probe size when ``bandwidth_probe_bytes`` is None: 1 GiB on accelerators, 16 MiB on the host.
 DEFAULT_PROBE_BYTES_ACCELERATOR = GIB
 DEFAULT_PROBE_BYTES_CPU = 16 * MIB
@@ -74,6 +93,12 @@ class OffloadConfig:
     ``direct_unit_calls``: call each Inductor unit's generated code without the Dynamo / AOT wrapper layers
     (verified per unit on its first call, see :func:`magi_core.execute.unit_compile.direct_call`); False
     keeps the wrapped calls (``MAGI_OFFLOAD_DIRECT_UNIT_CALLS=0``).
+
+    Every field can also come from ``MAGI_OFFLOAD_<FIELD>`` (e.g. ``MAGI_OFFLOAD_POLICY=base``), but only where
+    the code left the default: the config records which fields were passed to the constructor
+    (:attr:`explicit_fields`; :meth:`replace` and ``torch.compile`` options add theirs), and
+    :func:`resolve_config` lets the environment fill the others. Precedence, lowest first: defaults <
+    ``MAGI_OFFLOAD_*`` < explicit fields < ``torch.compile`` options.
     """
 
     policy: Policy | str = Policy.HEURISTIC
@@ -90,6 +115,9 @@ class OffloadConfig:
     #: True on configs returned by :func:`resolve_config` (environment applied); set per instance, never
     #: compared, and not carried over by :meth:`replace`.
     _resolved: ClassVar[bool] = False
+    #: Names of the fields set explicitly (constructor arguments, :meth:`replace` changes, ``options`` keys);
+    #: set per instance and never compared. The environment never overrides these.
+    _explicit: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -150,9 +178,24 @@ class OffloadConfig:
         out["policy"] = str(out["policy"])
         return out
 
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """Fields set explicitly (constructor arguments, :meth:`replace` changes, ``options`` keys): the
+        ``MAGI_OFFLOAD_*`` environment does not override them. (``dataclasses.replace`` passes every field to
+        the constructor, so its copies count every field as explicit; use :meth:`replace`.)"""
+        return self._explicit
+
     def replace(self, **changes: Any) -> OffloadConfig:
-        """A copy with ``changes`` applied and validated."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` applied and validated; the changed fields count as explicitly set."""
+        return self._evolve(changes, self._explicit | frozenset(changes))
+
+    def __replace__(self, **changes: Any) -> OffloadConfig:  # copy.replace (Python 3.13+)
+        return self.replace(**changes)
+
+    def _evolve(self, changes: Mapping[str, Any], explicit: frozenset[str]) -> OffloadConfig:
+        new = dataclasses.replace(self, **changes)
+        object.__setattr__(new, "_explicit", explicit)
+        return new
 
     # -- constructors --------------------------------------------------------------------------------
     @classmethod
@@ -180,24 +223,44 @@ class OffloadConfig:
 
     @classmethod
     def from_env(cls, base: OffloadConfig | None = None, environ: Mapping[str, str] | None = None) -> OffloadConfig:
-        """Apply ``MAGI_OFFLOAD_<FIELD>`` environment variables (e.g. ``MAGI_OFFLOAD_POLICY=base``) on ``base``.
+        """Fill the fields ``base`` did not set explicitly from ``MAGI_OFFLOAD_<FIELD>`` (``MAGI_OFFLOAD_POLICY=base``).
 
-        Optional fields accept ``none``; byte sizes accept suffixes (``512MiB``, ``2GB``). Unknown
-        ``MAGI_OFFLOAD_*`` variables are ignored (logged at debug level; other parts of magi-core may define some).
+        Optional fields accept ``none``; byte sizes accept suffixes (``512MiB``, ``2GB``); numbers must be
+        finite. A variable is parsed even where an explicit field wins (a bad value is an error either way);
+        the ignored variable is then logged as a warning. An unknown ``MAGI_*`` variable is logged as a
+        warning naming the closest valid one (:func:`magi_core._env.warn_unknown_env`). Fields filled here
+        stay non-explicit.
         """
         base = base if base is not None else cls()
         env = os.environ if environ is None else environ
+        warn_unknown_env(env)
+        explicit = base._explicit
+        # the ratio and the budget are one decision: an explicit one keeps the environment's other one out
+        blocked = dict.fromkeys(explicit, "")
+        if "gpu_resident_weight_ratio" in explicit:
+            blocked.setdefault("device_memory_budget_bytes", "gpu_resident_weight_ratio")
+        if "device_memory_budget_bytes" in explicit and base.device_memory_budget_bytes is not None:
+            blocked.setdefault("gpu_resident_weight_ratio", "device_memory_budget_bytes")
         valid = cls.field_names()
         changes: dict[str, Any] = {}
-        for key, raw in env.items():
-            if not key.startswith(ENV_PREFIX):
+        sources: dict[str, str] = {}
+        for key, raw in sorted(env.items()):
+            name = key[len(ENV_PREFIX):].lower() if key.startswith(ENV_PREFIX) else ""
+            if name not in valid:
                 continue
-            name = key[len(ENV_PREFIX):].lower()
-            if name in valid:
-                changes[name] = _parse(name, raw, source=key)
-            else:
-                logger.debug("ignoring %s: not an OffloadConfig field (%s)", key, ", ".join(valid))
-        return base.replace(**changes) if changes else base
+            value = _parse(name, raw, source=key)
+            if name in blocked:
+                _note_ignored(key, raw, blocked[name] or name)
+                continue
+            changes[name] = value
+            sources[name] = f"{key}={raw!r}"
+        if not changes:
+            return base
+        try:
+            return base._evolve(changes, explicit)
+        except ConfigError as exc:
+            named = [src for name, src in sources.items() if name in str(exc)] or list(sources.values())
+            raise ConfigError(f"{exc} (from the environment: {', '.join(named)})") from None
 
 
 def resolve_config(
@@ -205,19 +268,52 @@ def resolve_config(
     options: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> OffloadConfig:
-    """The effective config: ``config`` (or defaults), then ``options``, then ``MAGI_OFFLOAD_*`` overrides.
+    """The effective config: defaults < ``MAGI_OFFLOAD_*`` < ``config``'s explicit fields < ``options``.
 
-    The result is marked resolved: resolving it again without ``options`` (or ``environ``) returns it
-    unchanged, so the environment is applied once however many layers (``offload``, ``compile_offloaded``,
-    the Dynamo backend) pass the config on.
+    ``options`` are applied on ``config`` and count as explicit; the environment then fills only the fields
+    neither set (see :meth:`OffloadConfig.from_env`). The result is marked resolved: resolving it again without
+    ``options`` (or ``environ``) returns it unchanged, so the environment is applied once however many layers
+    (``offload``, ``compile_offloaded``, the Dynamo backend) pass the config on.
     """
     if config is not None and config._resolved and not options and environ is None:
         return config
     resolved = OffloadConfig.from_env(OffloadConfig.from_options(options, base=config), environ=environ)
     if config is not None and resolved is config:  # nothing changed it: mark a copy, never the caller's object
-        resolved = dataclasses.replace(config)
+        resolved = config._evolve({}, config._explicit)
     object.__setattr__(resolved, "_resolved", True)
     return resolved
+
+
+_ignored_lock = threading.Lock()
+_ignored_noted: set[tuple[str, str]] = set()
+
+
+def _note_ignored(key: str, raw: str, field_name: str) -> None:
+    """Log (once per process and value) that an environment variable lost to an explicitly set field."""
+    with _ignored_lock:
+        if (key, raw) in _ignored_noted:
+            return
+        _ignored_noted.add((key, raw))
+    logger.warning(
+        "%s=%r is ignored: OffloadConfig.%s was set explicitly (in code or torch.compile options), which beats "
+        "the environment; drop it there to let the variable decide", key, raw, field_name,
+    )
+
+
+def _recording_init(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap the dataclass ``__init__`` so each config records which fields its caller passed."""
+
+    @functools.wraps(init)
+    def __init__(self: OffloadConfig, *args: Any, **kwargs: Any) -> None:
+        names = [f.name for f in fields(OffloadConfig)]
+        object.__setattr__(self, "_explicit", frozenset(names[: len(args)]) | frozenset(kwargs))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+setattr(OffloadConfig, "__init__", _recording_init(OffloadConfig.__init__))  # noqa: B010 - mypy forbids method assignment
+register_env_names(ENV_PREFIX + name.upper() for name in OffloadConfig.field_names())
 
 
 # -- parsing and validation helpers ----------------------------------------------------------------------
@@ -254,9 +350,15 @@ def _range(name: str, value: Any, valid: str) -> ConfigError:
 def _float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid; expected a number")
-    if math.isnan(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid; expected a finite number") from None
+    if math.isnan(number):
         raise ConfigError(f"OffloadConfig.{name}=nan is invalid; expected a number")
-    return float(value)
+    if math.isinf(number):
+        raise ConfigError(f"OffloadConfig.{name}={number!r} is invalid; expected a finite number")
+    return number
 
 
 def _int(name: str, value: Any) -> int:

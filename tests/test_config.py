@@ -110,14 +110,15 @@ def test_from_env() -> None:
         "MAGI_OFFLOAD_BANDWIDTH_PROBE_BYTES": "256MiB",
         "MAGI_OFFLOAD_MAX_UNIT_BYTES": "none",
         "MAGI_OFFLOAD_UNIT_COMPILER": "EAGER",
-        "MAGI_OFFLOAD_SOMETHING_ELSE": "1",  # another component's variable: ignored
         "PATH": "/bin",
     }
     c = OffloadConfig.from_env(OffloadConfig(max_unit_bytes=10, warmup_calls=3), environ=env)
     assert c.policy is Policy.COST_EFFECTIVE
     assert c.gpu_resident_weight_ratio == 0.25 and c.lookahead == 2
-    assert c.bandwidth_probe_bytes == 256 << 20 and c.max_unit_bytes is None
+    assert c.bandwidth_probe_bytes == 256 << 20
     assert c.unit_compiler == "eager" and c.warmup_calls == 3  # base kept where env says nothing
+    assert c.max_unit_bytes == 10, "an explicit field beats MAGI_OFFLOAD_MAX_UNIT_BYTES"
+    assert c.explicit_fields == {"max_unit_bytes", "warmup_calls"}, "fields filled from the environment stay defaults"
 
 
 def test_from_env_reads_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,10 +144,16 @@ def test_from_options_unknown_key_lists_valid_keys() -> None:
         OffloadConfig.from_options({"ratio": 0.5})
 
 
-def test_resolve_precedence_env_over_options_over_config() -> None:
+def test_resolve_precedence_defaults_env_explicit_options() -> None:
+    """defaults < MAGI_OFFLOAD_* < explicit config fields < torch.compile options."""
     base = OffloadConfig(policy="base", lookahead=3, warmup_calls=1)
-    c = resolve_config(base, {"lookahead": 2, "prefetch_margin_ms": 0.5}, environ={"MAGI_OFFLOAD_LOOKAHEAD": "4"})
-    assert (c.policy, c.lookahead, c.prefetch_margin_ms, c.warmup_calls) == (Policy.BASE, 4, 0.5, 1)
+    env = {"MAGI_OFFLOAD_LOOKAHEAD": "4", "MAGI_OFFLOAD_WARMUP_CALLS": "5", "MAGI_OFFLOAD_UNIT_COMPILER": "eager",
+           "MAGI_OFFLOAD_PREFETCH_MARGIN_MS": "0.7"}
+    c = resolve_config(base, {"lookahead": 2, "prefetch_margin_ms": 0.5}, environ=env)
+    assert (c.policy, c.lookahead, c.prefetch_margin_ms, c.warmup_calls) == (Policy.BASE, 2, 0.5, 1)
+    assert c.unit_compiler == "eager", "the environment fills a default"
+    assert resolve_config(None, {"lookahead": 2}, environ=env).lookahead == 2, "options beat the environment"
+    assert resolve_config(None, None, environ=env).lookahead == 4, "the environment beats the defaults"
 
 
 def test_resolved_config_is_not_resolved_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,10 +161,11 @@ def test_resolved_config_is_not_resolved_again(monkeypatch: pytest.MonkeyPatch) 
     from magi_core.compile.backend import config_from_options
 
     monkeypatch.setenv("MAGI_OFFLOAD_LOOKAHEAD", "4")
-    base = OffloadConfig(lookahead=2, warmup_calls=1)
+    base = OffloadConfig(warmup_calls=1)
     resolved = resolve_config(base)
     assert (resolved.lookahead, resolved.warmup_calls) == (4, 1) and resolved._resolved
     assert not base._resolved and resolved == OffloadConfig(lookahead=4, warmup_calls=1)
+    assert resolved.explicit_fields == {"warmup_calls"}
     applied: list[int] = []
     real_from_env = OffloadConfig.from_env.__func__  # type: ignore[attr-defined]
 
@@ -171,9 +179,11 @@ def test_resolved_config_is_not_resolved_again(monkeypatch: pytest.MonkeyPatch) 
     assert config_from_options({"config": resolved}) is resolved
     assert config_from_options(resolved) is resolved
     assert applied == []
-    # options on top of a resolved config: options over config, then the environment over both (once)
-    again = config_from_options({"config": resolved, "lookahead": 7, "prefetch_margin_ms": 0.5})
-    assert (again.lookahead, again.prefetch_margin_ms) == (3, 0.5) and applied == [1] and again._resolved
+    # options on top of a resolved config: options over config and over the environment (applied once)
+    again = config_from_options({"config": resolved, "warmup_calls": 0, "prefetch_margin_ms": 0.5})
+    assert (again.lookahead, again.warmup_calls, again.prefetch_margin_ms) == (3, 0, 0.5)
+    assert applied == [1] and again._resolved
+    assert config_from_options({"config": resolved, "lookahead": 7}).lookahead == 7
     # a replaced copy is a new, unresolved config
     assert not resolved.replace(warmup_calls=0)._resolved
     # an unchanged config is marked on a copy, never on the caller's object
@@ -203,7 +213,7 @@ def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "1.5", "12 parsecs", "-3"])
+@pytest.mark.parametrize("text", ["", "GiB", "1.5", "12 parsecs", "-3", "1e400", "9" * 400, "1e300TiB", "nan", "inf"])
 def test_parse_bytes_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         parse_bytes(text)
@@ -227,6 +237,164 @@ def test_env_parsers_name_the_variable_and_the_fix() -> None:
             call()
         assert var in str(info.value) and fix in str(info.value)
     assert _env.first_env_int(("UNSET", "BAD", "NEG", "I"), 0, skip_invalid=True, environ=env) == 3
+
+
+# -- explicit fields beat the environment -------------------------------------------------------------------
+@pytest.fixture
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget which variables were already warned about (the warnings are once per process)."""
+    import magi_core.config as config_module
+
+    monkeypatch.setattr(_env, "_warned_names", set())
+    monkeypatch.setattr(config_module, "_ignored_noted", set())
+
+
+def test_explicit_field_is_not_overridden_by_the_environment(
+    fresh_warnings: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = {"MAGI_OFFLOAD_POLICY": "base", "MAGI_OFFLOAD_LOOKAHEAD": "3"}
+    with caplog.at_level("WARNING", logger="magi_core.config"):
+        c = resolve_config(OffloadConfig(policy="HEURISTIC"), environ=env)
+    assert c.policy is Policy.HEURISTIC, "set explicitly (to the default value): the environment does not win"
+    assert c.lookahead == 3, "a field left at its default is filled from the environment"
+    assert any("MAGI_OFFLOAD_POLICY" in r.getMessage() and "explicitly" in r.getMessage() for r in caplog.records)
+    assert resolve_config(OffloadConfig(), environ=env).policy is Policy.BASE
+    assert resolve_config(OffloadConfig(Policy.HEURISTIC), environ=env).policy is Policy.HEURISTIC  # positional
+
+
+def test_explicit_fields_are_recorded() -> None:
+    assert OffloadConfig().explicit_fields == frozenset()
+    assert OffloadConfig("base", 0.5).explicit_fields == {"policy", "gpu_resident_weight_ratio"}
+    c = OffloadConfig(lookahead=2)
+    assert c.replace(warmup_calls=0).explicit_fields == {"lookahead", "warmup_calls"}
+    assert OffloadConfig.from_options({"prefetch_margin_ms": "0.5"}, base=c).explicit_fields == {
+        "lookahead", "prefetch_margin_ms"}
+    assert c == OffloadConfig(lookahead=2) and OffloadConfig(policy="HEURISTIC") == OffloadConfig(), "not compared"
+    import copy
+    import pickle
+
+    assert pickle.loads(pickle.dumps(c)).explicit_fields == {"lookahead"}
+    assert copy.deepcopy(c).explicit_fields == {"lookahead"}
+
+
+def test_compile_options_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from magi_core.compile.backend import config_from_options
+
+    monkeypatch.setenv("MAGI_OFFLOAD_LOOKAHEAD", "4")
+    monkeypatch.setenv("MAGI_OFFLOAD_WARMUP_CALLS", "0")
+    c = config_from_options({"lookahead": 2, "config": OffloadConfig(warmup_calls=3)})
+    assert (c.lookahead, c.warmup_calls) == (2, 3)
+    assert config_from_options({}).lookahead == 4
+
+
+def test_explicit_ratio_or_budget_keeps_the_other_out_of_the_environment(fresh_warnings: None) -> None:
+    budget = OffloadConfig(device_memory_budget_bytes=1 << 30)
+    c = resolve_config(budget, environ={"MAGI_OFFLOAD_GPU_RESIDENT_WEIGHT_RATIO": "0.5"})
+    assert (c.gpu_resident_weight_ratio, c.device_memory_budget_bytes) == (0.0, 1 << 30)
+    ratio = OffloadConfig(gpu_resident_weight_ratio=0.25)
+    c = resolve_config(ratio, environ={"MAGI_OFFLOAD_DEVICE_MEMORY_BUDGET_BYTES": "1GiB"})
+    assert (c.gpu_resident_weight_ratio, c.device_memory_budget_bytes) == (0.25, None)
+    with pytest.raises(ConfigError, match="set only one.*MAGI_OFFLOAD_"):
+        resolve_config(None, environ={"MAGI_OFFLOAD_GPU_RESIDENT_WEIGHT_RATIO": "0.5",
+                                      "MAGI_OFFLOAD_DEVICE_MEMORY_BUDGET_BYTES": "1GiB"})
+
+
+# -- unknown variables ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "closest"),
+    [("MAGI_OFFLOAD_POLCY", "MAGI_OFFLOAD_POLICY"), ("MAGI_OFFLOAD_LOOKAHED", "MAGI_OFFLOAD_LOOKAHEAD"),
+     ("MAGI_OFFLOAD_GPU_RESIDENT_RATIO", "MAGI_OFFLOAD_GPU_RESIDENT_WEIGHT_RATIO"),
+     ("MAGI_BACKNED", "MAGI_BACKEND"), ("MAGI_PIN_BUDGET_GIB", "MAGI_PIN_BUDGET_GB"),
+     ("MAGI_SHMDIR", "MAGI_SHM_DIR"), ("MAGI_TRACE_HOOK", "MAGI_TRACE_HOOKS")],
+)
+def test_unknown_variable_warns_once_naming_the_closest(
+    name: str, closest: str, fresh_warnings: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = {name: "1"}
+    with caplog.at_level("WARNING", logger="magi_core._env"):
+        OffloadConfig.from_env(environ=env)
+        OffloadConfig.from_env(environ=env)
+    hits = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(hits) == 1, "once per process and name"
+    assert f"did you mean {closest}?" in hits[0]
+
+
+def test_unknown_offload_variable_without_a_close_match_lists_the_valid_ones(
+    fresh_warnings: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="magi_core._env"):
+        env = {"MAGI_OFFLOAD_ZZZZZZZZ": "1", "MAGI_ATTENTION_SOMETHING": "1", "MAGI_BACKEND": "x"}
+        msgs = _env.warn_unknown_env(env)
+    assert len(msgs) == 1 and "MAGI_OFFLOAD_ZZZZZZZZ" in msgs[0] and "MAGI_OFFLOAD_POLICY" in msgs[0]
+    # another package's MAGI_* variable with no close magi-core name is left alone (debug log only)
+    assert not any("MAGI_ATTENTION_SOMETHING" in r.getMessage() for r in caplog.records)
+
+
+def test_registry_knows_every_variable_magi_core_reads() -> None:
+    import re
+
+    import magi_core
+
+    root = Path(magi_core.__file__).parent
+    read = set()
+    for path in root.rglob("*.py"):
+        read |= set(re.findall(r"[\"'](MAGI_[A-Z0-9_]*[A-Z0-9])[\"']", path.read_text()))
+    read -= {"MAGI_OFFLOAD"}
+    assert read, "the scan finds the variables"
+    assert read <= _env.KNOWN_VARIABLES, sorted(read - _env.KNOWN_VARIABLES)
+    fields = {f"MAGI_OFFLOAD_{name.upper()}" for name in OffloadConfig.field_names()}
+    assert fields <= _env.KNOWN_VARIABLES
+    assert {"MAGI_BACKEND", "MAGI_TRACE_HOOKS", "MAGI_SHM_DIR", "MAGI_EP_SIZE", "MAGI_SKIP_SHM",
+            "MAGI_PIN_BUDGET_GB", "MAGI_PIN_CONCURRENCY"} <= _env.KNOWN_VARIABLES
+
+
+def test_trace_hooks_reads_boolean_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    from magi_core.plugin.manager import tracing_enabled
+
+    for value, enabled in [("1", True), ("yes", True), ("0", False), ("false", False), ("off", False), (" ", False)]:
+        monkeypatch.setenv("MAGI_TRACE_HOOKS", value)
+        assert tracing_enabled() is enabled, value
+
+
+# -- non-finite numbers -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("MAGI_OFFLOAD_PREFETCH_MARGIN_MS", "inf"), ("MAGI_OFFLOAD_PREFETCH_MARGIN_MS", "nan"),
+     ("MAGI_OFFLOAD_PREFETCH_MARGIN_MS", "1e400"), ("MAGI_OFFLOAD_GPU_RESIDENT_WEIGHT_RATIO", "nan"),
+     ("MAGI_OFFLOAD_BANDWIDTH_SAFETY_FACTOR", "-inf"), ("MAGI_OFFLOAD_DEVICE_MEMORY_BUDGET_BYTES", "1e400"),
+     ("MAGI_OFFLOAD_MAX_UNIT_BYTES", "1e400GiB"), ("MAGI_OFFLOAD_BANDWIDTH_PROBE_BYTES", "inf"),
+     ("MAGI_OFFLOAD_LOOKAHEAD", "nan"), ("MAGI_OFFLOAD_WARMUP_CALLS", "1e400")],
+)
+def test_non_finite_offload_variables_are_config_errors(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        resolve_config(None, environ={name: value})
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "1e300"])
+def test_non_finite_host_variables_are_config_errors(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from magi_core.host.config import HostOptions
+
+    for name in ("MAGI_PIN_BUDGET_GB", "X"):
+        with pytest.raises(ConfigError, match=name):
+            _env.env_gib_bytes(name, {name: value})
+    assert _env.env_gib_bytes("X", {"X": "1.5"}) == 3 << 29
+    monkeypatch.setenv("MAGI_PIN_BUDGET_GB", value)
+    with pytest.raises(ConfigError, match="MAGI_PIN_BUDGET_GB"):
+        HostOptions().resolve()
+    if value != "1e300":  # finite as a number of GiB, too large only as bytes
+        for minimum in (0.0, None):
+            with pytest.raises(ConfigError, match="F='.*finite"):
+                _env.env_float("F", minimum, "GiB", {"F": value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("prefetch_margin_ms", float("inf")), ("gpu_resident_weight_ratio", 10**400),
+     ("bandwidth_safety_factor", float("-inf"))],
+)
+def test_non_finite_field_values_are_config_errors(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"OffloadConfig.{field}=.*finite"):
+        OffloadConfig(**{field: value})  # type: ignore[arg-type]
 
 
 # -- policy plugins -----------------------------------------------------------------------------------------

@@ -83,7 +83,11 @@ class Branchy(nn.Module):
         return self.lin(x)
 
 
-def test_device_branch_detected_in_code_and_warned_at_compile(caplog):
+def test_device_branch_detected_in_code_and_warned_at_compile(caplog, monkeypatch):
+    import magi_core.compile.device_branches as device_branches
+
+    # the CPU backend runs every branch as traced (silent); pretend the run targets "cuda"
+    monkeypatch.setattr(device_branches, "target_device_type", lambda: "cuda")
     assert device_branch_reasons(Branchy.forward.__code__)
 
     def plain(x):

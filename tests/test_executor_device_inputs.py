@@ -1,7 +1,9 @@
 """Device inputs of offloaded models: host proxies for Dynamo, the real tensors swapped in by the executor.
 
-CPU CI has no device tensors, so "device" inputs here are distinct host tensors that the wrapper is told to
-treat as device tensors; proxies are filled with NaN, so any read of one would show in the outputs.
+On the CPU backend there are no device tensors, so "device" inputs here are distinct host tensors that the
+wrapper is told to treat as device tensors; on an accelerator backend (e.g. the emulated magidev device of
+examples/privateuse1) they are real device tensors (``.to(device)`` of the same host tensors). Proxies are
+filled with NaN, so any read of one would show in the outputs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 
 import pytest
 import torch
+from helpers.ranges import registered_ranges
 from helpers.tracking import compile_tracked, newest
 from test_executor_models import Breaks, PassThrough, TupleKw
 
@@ -24,7 +27,7 @@ from magi_core.compile.device_inputs import (
 )
 from magi_core.config import OffloadConfig
 from magi_core.errors import MagiError
-from magi_core.plugin.cpu import registered_ranges
+from magi_core.plugin.manager import get_backend
 
 CFG = OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5, unit_compiler="eager", warmup_calls=2)
 
@@ -34,6 +37,12 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def _on_device(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors on the active backend's device (the same objects on the CPU backend)."""
+    device = get_backend().device()
+    return tuple(t.to(device) for t in tensors)
 
 
 def _marked(*tensors: torch.Tensor):
@@ -98,11 +107,12 @@ def test_executor_takes_the_substituted_tensor_never_the_proxy():
         ref = model(x, bias=bias, scale=2.0)
     f = compile_tracked(model, options=CFG.to_dict())
     proxy = torch.full_like(x, math.nan)
+    (xd,) = _on_device(x)
     for _ in range(4):
-        with substituting({id(proxy): x}):
+        with substituting({id(proxy): xd}):
             out = f(proxy, bias=bias, scale=2.0)
-        torch.testing.assert_close(out[0], ref[0])
-        torch.testing.assert_close(out[1], ref[1])
+        torch.testing.assert_close(out[0].cpu(), ref[0])
+        torch.testing.assert_close(out[1].cpu(), ref[1])
     ex = newest().executor
     assert ex.inputs.substituted == 4
     assert torch.isnan(proxy).all()
@@ -114,19 +124,20 @@ def test_offload_with_device_inputs_kwargs_and_pass_through_outputs():
     x, bias, skip = torch.randn(2, 4, 16), torch.randn(16), torch.randn(3)
     with torch.no_grad():
         ref = model(x, extra={"bias": bias, "skip": skip}, scale=0.5)
+    xd, biasd, skipd = _on_device(x, bias, skip)
     try:
         offload(model, CFG)
         h = handle(model)
         assert h.host is not None
         fwd = h.forward
         assert fwd is not None and model._compiled_call_impl is fwd
-        fwd.is_device = _marked(x, bias, skip)  # treat these host tensors as device tensors
+        fwd.is_device = _marked(xd, biasd, skipd)  # on the CPU backend: treat these host tensors as device tensors
         fwd.pool = ProxyPool(fill_value=math.nan)  # any read of a proxy would produce NaN
         with torch.no_grad():
             for _ in range(5):
-                out, x_out, skip_out = model(x, extra={"bias": bias, "skip": skip}, scale=0.5)
-                torch.testing.assert_close(out, ref[0])
-                assert x_out is x and skip_out is skip, "pass-through outputs are the device tensors"
+                out, x_out, skip_out = model(xd, extra={"bias": biasd, "skip": skipd}, scale=0.5)
+                torch.testing.assert_close(out.cpu(), ref[0])
+                assert x_out is xd and skip_out is skipd, "pass-through outputs are the device tensors"
         ex = h.runtime.executor
         assert h.compile_count == 1, "reused proxies: no recompiles"
         assert fwd.substituted_calls == 5
@@ -154,3 +165,117 @@ def test_offload_refuses_fullgraph_false():
 
     with pytest.raises(ConfigError, match="fullgraph"):
         offload(TupleKw().eval(), CFG, fullgraph=False)
+
+
+# -- every kind of graph break gets magi's help, with advice for its kind -------------------------------------
+class _Branchy(torch.nn.Module):
+    """A forward that cannot compile to one graph, in the way ``kind`` says."""
+
+    def __init__(self, kind: str, d: int = 16) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.kind == "item":
+            if y.sum().item() > 0:
+                return y * 2
+        elif self.kind == "bool":
+            if y.sum() > 0:
+                return y * 2
+        elif self.kind == "int":
+            for _ in range(int(y.abs().sum().item()) % 3 + 1):
+                y = y + 1
+        elif self.kind == "print":
+            print("step")
+        elif self.kind == "break":
+            torch._dynamo.graph_break()
+        return y
+
+
+@pytest.mark.parametrize(
+    ("kind", "advice", "cause"),
+    [
+        ("item", "a Python branch on a tensor value (.item(), bool(tensor)", "UserError"),
+        ("bool", "use torch.where / torch.cond", "Unsupported"),
+        ("int", "use torch.where / torch.cond", "UserError"),
+        ("print", "a print / logging call", "Unsupported"),
+        ("break", "an explicit graph break", "Unsupported"),
+    ],
+)
+def test_graph_breaks_of_every_kind_get_specific_advice(kind, advice, cause):
+    model = _Branchy(kind).eval()
+    try:
+        offload(model, CFG)
+        with pytest.raises(MagiError, match="ONE graph") as info, torch.no_grad():
+            model(torch.randn(2, 16))
+        msg = str(info.value)
+        assert advice in msg and "offload() the submodules" in msg and "Dynamo said:" in msg
+        assert type(info.value.__cause__).__name__ == cause
+    finally:
+        release(model, restore=True)
+
+
+def test_recompile_limit_gets_its_own_advice():
+    model = _Branchy("none").eval()
+    try:
+        offload(model, CFG, dynamic=False)
+        with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+            model(torch.randn(2, 16))
+            with pytest.raises(MagiError, match="recompile_limit") as info:
+                model(torch.randn(3, 16))
+        assert "mark_dynamic" in str(info.value)
+    finally:
+        release(model, restore=True)
+
+
+def test_graph_break_classes_and_advice_read_the_cause_chain():
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    from magi_core.compile.device_inputs import (
+        ADVICE_DATA_DEPENDENT,
+        graph_break_advice,
+        graph_break_classes,
+        is_graph_break,
+    )
+
+    assert {torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError} <= set(graph_break_classes())
+    for inner in (GuardOnDataDependentSymNode("u0 > 0"), DataDependentOutputException("aten._local_scalar_dense")):
+        try:
+            try:
+                raise inner
+            except RuntimeError as e:
+                raise torch._dynamo.exc.TorchRuntimeError("while tracing") from e
+        except RuntimeError as outer:
+            assert is_graph_break(outer) and graph_break_advice(outer) == ADVICE_DATA_DEPENDENT
+    assert not is_graph_break(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_errors_that_are_not_graph_breaks_pass_through_unwrapped():
+    model = _Branchy("none").eval()
+    try:
+        offload(model, CFG)
+        with pytest.raises(Exception) as info, torch.no_grad():
+            model(torch.randn(2, 5))  # wrong feature size: the user's bug, not a graph break
+        assert not isinstance(info.value, MagiError)
+    finally:
+        release(model, restore=True)
+
+
+def test_magi_error_raised_by_the_backend_comes_out_unwrapped(monkeypatch):
+    import magi_core.compile.handle as handle_module
+    from magi_core.errors import ConfigError
+
+    def refusing(*args, **kwargs):
+        raise ConfigError("the backend refused this graph")
+
+    monkeypatch.setattr(handle_module, "magi_offload_backend", refusing)
+    model = _Branchy("none").eval()
+    try:
+        offload(model, CFG)
+        with pytest.raises(ConfigError, match="refused this graph"), torch.no_grad():
+            model(torch.randn(2, 16))  # not torch._dynamo.exc.BackendCompilerFailed
+    finally:
+        release(model, restore=True)

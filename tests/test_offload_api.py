@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-import torch
+import math
 
+import pytest
+import torch
+from helpers.ranges import registered_ranges
+from torch import nn
+
+import magi_core.api as api
 from magi_core.api import handle, offload, release
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.compile.device_inputs import ProxyPool
 from magi_core.config import OffloadConfig
-from magi_core.plugin.cpu import registered_ranges
+from magi_core.errors import ConfigError, MagiError
 from magi_core.plugin.manager import get_backend
 
 
@@ -27,7 +34,7 @@ def test_offload_keeps_module_and_runs_through_backend():
         assert len(registered_ranges()) > len(before), "weights should sit in registered host arenas"
         with torch.no_grad():
             for _ in range(4):
-                torch.testing.assert_close(model(x), ref)
+                torch.testing.assert_close(model(x).cpu(), ref)
         assert handle(model).compile_count == 1
         rt = handle(model).runtime
         assert rt.phase == "planned" and str(rt.config.policy) == "COST_EFFECTIVE"
@@ -39,3 +46,143 @@ def test_offload_keeps_module_and_runs_through_backend():
         torch._dynamo.reset()
     assert registered_ranges() == before
     torch.testing.assert_close(model.state_dict()["norm.weight"], model.norm.weight)
+
+
+# -- modules whose forward lives in torch.nn, hooks, device inputs, many instances ---------------------------
+CFG = OffloadConfig(unit_compiler="eager", warmup_calls=2)
+
+
+class Stack(nn.Module):
+    """A ModuleList-based model."""
+
+    def __init__(self, d: int = 8, n: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x)) + x
+        return x
+
+
+def _torch_nn_models() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    return {
+        "Sequential": nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+        "Linear": nn.Linear(8, 8),
+        "ModuleList": Stack(),
+    }
+
+
+@pytest.fixture
+def shm_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAGI_SHM_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    yield tmp_path
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["Sequential", "Linear", "ModuleList"])
+@pytest.mark.parametrize("device_inputs", [False, True], ids=["host-inputs", "device-inputs"])
+def test_offload_modules_whose_forward_lives_in_torch_nn(kind, device_inputs, shm_dir):
+    model = _torch_nn_models()[kind].eval()
+    model.register_forward_pre_hook(lambda mod, args: (args[0] * 0.5,))
+    model.register_forward_hook(lambda mod, args, out: out + 1.0)
+    before = registered_ranges()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+    try:
+        assert offload(model, CFG) is model
+        h = handle(model)
+        fwd = h.forward
+        assert fwd is not None
+        if device_inputs:  # Dynamo sees a NaN-filled host proxy of the device input
+            backend = get_backend()
+            if backend.is_accelerator:
+                x = x.to(backend.device())
+            else:  # no device tensors on the CPU backend: treat x as one
+                fwd.is_device = lambda t: t is x
+            fwd.pool = ProxyPool(fill_value=math.nan)
+        with torch.no_grad():
+            for _ in range(4):  # warm-up, profile, planned
+                torch.testing.assert_close(model(x).cpu(), ref)  # hooks included
+        assert h.compile_count == 1 and h.runtime.phase == "planned"
+        assert fwd.substituted_calls == (4 if device_inputs else 0)
+    finally:
+        release(model, restore=True)
+    assert registered_ranges() == before and list(shm_dir.iterdir()) == []
+    with torch.no_grad():
+        torch.testing.assert_close(model(x.cpu()), ref)  # the eager forward is back
+
+
+def test_offload_many_instances_of_one_class(shm_dir):
+    """Each offloaded model compiles its own entry: no shared Dynamo cache, no recompile limit across models."""
+    models = [nn.Linear(8, 4).eval() for _ in range(10)]
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        refs = [m(x) for m in models]
+    try:
+        for m in models:
+            offload(m, CFG)
+        with torch.no_grad():
+            for _ in range(2):
+                for m, ref in zip(models, refs, strict=True):
+                    torch.testing.assert_close(m(x).cpu(), ref)
+        assert [handle(m).compile_count for m in models] == [1] * 10
+    finally:
+        for m in models:
+            release(m, restore=True)
+
+
+def _assert_nothing_left(model, before, shm_dir, x, ref):
+    assert registered_ranges() == before
+    assert list(shm_dir.iterdir()) == []
+    with pytest.raises(MagiError, match="not offloaded"):
+        handle(model)
+    assert model.__dict__.get("_compiled_call_impl") is None
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref)  # plain eager module, weights restored
+    offload(model, CFG)  # and it can be offloaded again
+    release(model, restore=True)
+    assert registered_ranges() == before
+
+
+def test_failure_inside_offload_leaves_nothing_behind(shm_dir, monkeypatch):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+    before = registered_ranges()
+    seen: list[int] = []
+    real_compile = api.compile_offloaded
+
+    def failing(*args, **kwargs):
+        seen.append(len(registered_ranges()))  # the weights are in registered host arenas by now
+        real_compile(*args, **kwargs)
+        raise RuntimeError("injected failure after compile")
+
+    monkeypatch.setattr(api, "compile_offloaded", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        offload(model, CFG)
+    assert seen and seen[0] > len(before)
+    monkeypatch.setattr(api, "compile_offloaded", real_compile)
+    _assert_nothing_left(model, before, shm_dir, x, ref)
+    # torch.compile itself refusing the arguments (mode and options together), after the host work
+    with pytest.raises(RuntimeError, match="mode or options"):
+        offload(model, CFG, mode="max-autotune")
+    _assert_nothing_left(model, before, shm_dir, x, ref)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e400", "-1"])
+def test_bad_pin_budget_is_a_config_error_and_leaves_nothing(value, shm_dir, monkeypatch):
+    model = nn.Linear(8, 8).eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+    before = registered_ranges()
+    monkeypatch.setenv("MAGI_PIN_BUDGET_GB", value)
+    with pytest.raises(ConfigError, match="MAGI_PIN_BUDGET_GB"):
+        offload(model, CFG)
+    monkeypatch.delenv("MAGI_PIN_BUDGET_GB")
+    _assert_nothing_left(model, before, shm_dir, x, ref)

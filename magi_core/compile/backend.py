@@ -77,9 +77,9 @@ def build_runtime(
     warn_device_branches()
     place_on_device(gm, device, backend.to_method_aliases, example_inputs=example_inputs)
     split = split_into_units(gm, example_inputs, max_unit_bytes=config.max_unit_bytes)
-    executor = OffloadExecutor(
-        split, backend, device, unit_compiler=config.resolved_unit_compiler(backend.is_accelerator),
-        direct_unit_calls=config.direct_unit_calls,
+    executor = OffloadExecutor(  # the backend's capabilities decide "auto" and whether generated code is called directly
+        split, backend, device, unit_compiler=backend.resolve_unit_compiler(config.unit_compiler),
+        direct_unit_calls=backend.allows_direct_unit_calls(config.direct_unit_calls),
     )
     runtime = OffloadLifecycle(executor, config)
     logger.info(

@@ -12,6 +12,8 @@ are never copied to the host, proxies never read. Pass-through outputs come back
 
 from __future__ import annotations
 
+import functools
+import importlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -134,18 +136,128 @@ GRAPH_BREAK_HELP = (
     "magi offload() compiles the model's forward as ONE graph (fullgraph=True): device inputs reach it as "
     "host proxies and its weights live on the host, so any code that ran eagerly between graphs would compute "
     "on proxies or mix device intermediates with host weights. Dynamo found a graph break in the forward of "
-    "{model}. Fix: remove the break (see Dynamo's reason below), or move the part that cannot compile out of "
-    "this module's forward and run it before/after the call (torch.compiler.disable inside the forward is a "
-    "graph break too), or offload() the submodules that do compile to one graph. "
+    "{model}.{advice} Fix: remove the break (see Dynamo's reason below), or move the part that cannot compile "
+    "out of this module's forward and run it before/after the call (torch.compiler.disable inside the forward "
+    "is a graph break too), or offload() the submodules that do compile to one graph. "
     "Dynamo said:\n{reason}"
 )
+
+#: Specific advice by kind of graph break (see :func:`graph_break_advice`).
+ADVICE_DATA_DEPENDENT = (
+    "a Python branch on a tensor value (.item(), bool(tensor), `if tensor:`, `and`/`or` between tensors, "
+    "int(tensor), range(tensor.item())) cannot be compiled into one graph, since the value is only known when "
+    "the step runs: use torch.where / torch.cond (or branchless code such as torch.clamp, torch.nan_to_num), "
+    "keep the value a tensor, or move the decision out of the forward and pass its result in"
+)
+ADVICE_RECOMPILES = (
+    "the forward was recompiled more than torch._dynamo.config.recompile_limit times (inputs of new shapes "
+    "or dtypes, or Python values the forward reads changing between calls): mark the varying dimensions "
+    "dynamic (torch._dynamo.mark_dynamic, or offload(model, dynamic=True)), keep those values constant, or "
+    "raise the limit"
+)
+ADVICE_PRINT = (
+    "a print / logging call in the forward: remove it or log outside the forward, or add the function to "
+    "torch._dynamo.config.reorderable_logging_functions"
+)
+ADVICE_EXPLICIT = (
+    "an explicit graph break (torch._dynamo.graph_break(), or a function under torch.compiler.disable / "
+    "torch._dynamo.disable): remove it, or move that code out of the forward"
+)
+
+
+_DYNAMO_BREAKS = ("Unsupported", "UserError", "FailOnRecompileLimitHit", "UncapturedHigherOrderOpError",
+                  "CondOpArgsMismatchError")
+_DATA_DEPENDENT = (
+    ("torch.fx.experimental.symbolic_shapes", ("GuardOnDataDependentSymNode", "PendingUnbackedSymbolNotFound")),
+    ("torch._subclasses.fake_tensor", ("DataDependentOutputException", "DynamicOutputShapeException")),
+)
+
+
+def _classes(groups: tuple[tuple[str, tuple[str, ...]], ...]) -> tuple[type[BaseException], ...]:
+    found: list[type[BaseException]] = []
+    for module, names in groups:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:  # pragma: no cover - private torch modules; the set is best effort
+            continue
+        for name in names:
+            cls = getattr(mod, name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                found.append(cls)
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=1)
+def data_dependent_classes() -> tuple[type[BaseException], ...]:
+    """Exception classes of a value or shape that depends on tensor data (raised while Dynamo fake-runs ops)."""
+    return _classes(_DATA_DEPENDENT)
+
+
+@functools.lru_cache(maxsize=1)
+def graph_break_classes() -> tuple[type[BaseException], ...]:
+    """Exception classes that mean "this forward does not compile to one graph" (Dynamo's graph breaks and
+    data-dependent failures); :class:`OffloadedForward` turns them into a :class:`~magi_core.errors.MagiError`."""
+    return _classes((("torch._dynamo.exc", _DYNAMO_BREAKS), *_DATA_DEPENDENT))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during (causes first met first), without cycles."""
+    out: list[BaseException] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def is_graph_break(exc: BaseException) -> bool:
+    """True when ``exc`` is a graph break, or a data-dependent failure (also wrapped in another error).
+
+    An op that fails on its (fake) inputs, e.g. a shape mismatch in the model, is the model's bug and not a
+    graph break, although Dynamo reports it through an ``Unsupported`` ("when making fake tensor call").
+    """
+    if any(isinstance(e, data_dependent_classes()) for e in _chain(exc)):
+        return True
+    return isinstance(exc, graph_break_classes()) and "when making fake tensor call" not in str(exc)
+
+
+def graph_break_advice(exc: BaseException) -> str | None:
+    """The specific advice for the kind of graph break ``exc`` is (None: only the general help applies)."""
+    chain = _chain(exc)
+    text = "\n".join(str(e) for e in chain).lower()
+    names = {type(e).__name__ for e in chain}
+    if names & {"GuardOnDataDependentSymNode", "PendingUnbackedSymbolNotFound", "DataDependentOutputException",
+                "DynamicOutputShapeException"} or any(
+        word in text for word in ("data-dependent", "data dependent", "generic_jump", "tensor.item", "unbacked")
+    ):
+        return ADVICE_DATA_DEPENDENT
+    if "FailOnRecompileLimitHit" in names or "recompile limit" in text or "recompile_limit" in text:
+        return ADVICE_RECOMPILES
+    if "graph_break()" in text or "marked as skipped" in text or "torch.compiler.disable" in text:
+        return ADVICE_EXPLICIT
+    if "`print`" in text or "'print'" in text or "logging" in text:
+        return ADVICE_PRINT
+    return None
+
+
+def graph_break_error(exc: BaseException, model_name: str) -> MagiError:
+    """The :class:`~magi_core.errors.MagiError` for graph break ``exc`` in the forward of ``model_name``."""
+    advice = graph_break_advice(exc)
+    return MagiError(GRAPH_BREAK_HELP.format(model=model_name, advice=f" Cause: {advice}." if advice else "",
+                                             reason=exc))
 
 
 class OffloadedForward:
     """The host-side forward :func:`~magi_core.api.offload` installs: device inputs in, proxies to Dynamo.
 
-    ``compiled`` is the Dynamo-compiled ``_call_impl``; ``is_device`` says which tensors to replace (device
-    tensors of the active backend). Graph breaks surface as a :class:`~magi_core.errors.MagiError`.
+    ``compiled`` is the Dynamo-compiled model entry; ``is_device`` says which tensors to replace (device
+    tensors of the active backend). Graph breaks and data-dependent failures (every class of
+    :func:`graph_break_classes`, also when wrapped in another Dynamo error) surface as a
+    :class:`~magi_core.errors.MagiError` with advice for the kind of break (:func:`graph_break_advice`); a
+    :class:`~magi_core.errors.MagiError` the ``magi_offload`` backend raised while compiling comes out as itself,
+    not wrapped in Dynamo's ``BackendCompilerFailed``.
     """
 
     def __init__(
@@ -193,5 +305,10 @@ class OffloadedForward:
             with substituting(subs):
                 out = self.compiled(*pargs, **pkwargs)
             return restore_device_tensors(out, subs)
-        except torch._dynamo.exc.Unsupported as e:
-            raise MagiError(GRAPH_BREAK_HELP.format(model=self.model_name, reason=e)) from e
+        except Exception as e:
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) and isinstance(inner, MagiError):
+                raise inner from None  # magi's own answer (the backend raised it), not Dynamo's wrapper
+            if isinstance(e, MagiError) or not is_graph_break(e):
+                raise
+            raise graph_break_error(e, self.model_name) from e
