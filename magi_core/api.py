@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,6 +22,10 @@ from magi_core.plugin.manager import get_backend
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=nn.Module)
+
+
+class InferenceOnlyWarning(UserWarning):
+    """An offloaded model was set up or called as if for training (offloading is inference-only)."""
 _HANDLE_ATTR = "_magi_offload_handle"
 
 
@@ -44,6 +49,11 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any 
     _check_compile_kwargs(compile_kwargs)  # before any host work
     cfg = resolve_config(config)
     check_policy(cfg.policy)
+    training = sorted({type(m).__name__ for m in model.modules() if m.training})
+    if training:
+        _inference_only(f"{type(model).__name__} is in training mode ({', '.join(training[:5])}"
+                        f"{', ...' if len(training) > 5 else ''} train); offloading is for inference: dropout stays "
+                        "active and nothing is learned. Call model.eval() before magi_core.offload(model)")
     h = OffloadHandle(type(model).__name__, cfg)
     h.host = materialize(model, options=host_options)
     try:
@@ -115,6 +125,12 @@ def module_entry(model: nn.Module) -> Callable[..., Any]:
                                offloaded_forward.__closure__)
     entry.__qualname__ = f"{type(model).__qualname__}.offloaded_forward"
     return entry
+
+
+def _inference_only(message: str) -> None:
+    """Warn the user (their code is at fault: Python's ``warnings``) and log it."""
+    warnings.warn(message, InferenceOnlyWarning, stacklevel=3)
+    logger.warning("magi offload: %s", message)
 
 
 def _check_compile_kwargs(compile_kwargs: dict[str, Any]) -> None:

@@ -220,3 +220,18 @@ def test_deepcopy_and_pickle_say_why_not_and_state_dict_works(shm_dir: str) -> N
             close(model(x), ref)  # still usable after the refused copies
     finally:
         magi_core.release(model)
+
+
+def test_training_mode_and_grad_inputs_are_called_out(shm_dir: str) -> None:
+    from magi_core.api import InferenceOnlyWarning
+
+    model = build_transformer(SPEC).train()
+    with pytest.warns(InferenceOnlyWarning, match=r"training mode .*model.eval\(\)"):
+        magi_core.offload(model, CFG)
+    try:
+        x = example_input(SPEC, tokens=6).requires_grad_(True)
+        with pytest.warns(UserWarning, match="without autograd"):
+            out = model(x)
+        assert not out.requires_grad
+    finally:
+        magi_core.release(model)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -249,6 +250,16 @@ def graph_break_error(exc: BaseException, model_name: str) -> MagiError:
                                              reason=exc))
 
 
+def _any_requires_grad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(_any_requires_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_any_requires_grad(v) for v in value.values())
+    return False
+
+
 class OffloadedForward:
     """The host-side forward :func:`~magi_core.api.offload` installs: device inputs in, proxies to Dynamo.
 
@@ -285,6 +296,12 @@ class OffloadedForward:
         if self.handle is not None and self.handle.released:
             self.handle.check_usable()
         if not self._called:
+            if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
+                warnings.warn(
+                    f"{self.model_name} is offloaded: the forward runs without autograd (inference only), so its "
+                    "outputs do not require grad even though an input does; run it under torch.no_grad() or "
+                    "torch.inference_mode(), and train without offloading", stacklevel=2,
+                )
             with self._first_call:
                 out = self._call(args, kwargs)
                 self._called = True
