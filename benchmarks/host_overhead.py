@@ -189,28 +189,38 @@ def main() -> int:
         del models, calls, resident
         gc.collect()
         torch._dynamo.reset()
-        # everything streamed: the executor's host work per step, without the time it blocks on copies
-        m = magi_core.offload(wl.fresh(), OffloadConfig(gpu_resident_weight_ratio=0.0, unit_compiler="auto"))
-        for _ in range(4):
-            m(x)
-        ex = magi_core.handle(m).runtime.executor
-        res["ratio0_direct_units"] = sum(bool(d) for d in ex.direct_units)
-        ex.measure_host_waits = True
-        totals, blocked = [], []
-        for _ in range(args.rounds * 5):
+        # everything streamed: the executor's host work per step, without the time it blocks on copies,
+        # with one copy per unit span (the default) and with one copy per weight
+        for kind in ("span", "per_tensor"):
+            gc.collect()
+            torch._dynamo.reset()
+            cfg = OffloadConfig(gpu_resident_weight_ratio=0.0, unit_compiler="auto", transfer=kind)
+            m = magi_core.offload(wl.fresh(), cfg)
+            for _ in range(4):
+                m(x)
+            ex = magi_core.handle(m).runtime.executor
+            pre = "ratio0" if kind == "span" else "ratio0_per_tensor"
+            res[f"{pre}_direct_units"] = sum(bool(d) for d in ex.direct_units)
+            ex.measure_host_waits = True
+            totals, blocked = [], []
+            calls0, weights0 = ex.transfer.copy_calls, ex.transfer.copies
+            for _ in range(args.rounds * 5):
+                sync()
+                ex.stats.host_wait_ns = 0
+                t0 = time.perf_counter_ns()
+                m(x)
+                totals.append((time.perf_counter_ns() - t0) / 1e3)
+                blocked.append(ex.stats.host_wait_ns / 1e3)
             sync()
-            ex.stats.host_wait_ns = 0
-            t0 = time.perf_counter_ns()
-            m(x)
-            totals.append((time.perf_counter_ns() - t0) / 1e3)
-            blocked.append(ex.stats.host_wait_ns / 1e3)
-        sync()
-        res["ratio0_call_us"] = statistics.median(totals)
-        res["ratio0_blocked_us"] = statistics.median(blocked)
-        res["ratio0_host_work_us"] = statistics.median(t - b for t, b in zip(totals, blocked, strict=True))
-        res["ratio0_host_work_over_resident_us_per_unit"] = (
-            (res["ratio0_host_work_us"] - res["resident_compiled_call_us"]) / res["units"])
-        magi_core.release(m)
+            steps = args.rounds * 5
+            res[f"{pre}_copy_calls_per_step"] = (ex.transfer.copy_calls - calls0) / steps
+            res[f"{pre}_weights_per_step"] = (ex.transfer.copies - weights0) / steps
+            res[f"{pre}_call_us"] = statistics.median(totals)
+            res[f"{pre}_blocked_us"] = statistics.median(blocked)
+            res[f"{pre}_host_work_us"] = statistics.median(t - b for t, b in zip(totals, blocked, strict=True))
+            res[f"{pre}_host_work_over_resident_us_per_unit"] = (
+                (res[f"{pre}_host_work_us"] - res["resident_compiled_call_us"]) / res["units"])
+            magi_core.release(m)
     n = res["units"]
     res["loop_us_per_unit"] = {k: res[f"{k}_loop_only_us"] / n for k in ("ratio1", "ratio1_wrapped")}
     if res.get("per_unit"):

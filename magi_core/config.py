@@ -44,6 +44,8 @@ DEFAULT_PROBE_BYTES_ACCELERATOR = GIB
 DEFAULT_PROBE_BYTES_CPU = 16 * MIB
 #: Values of ``OffloadConfig.unit_compiler``.
 UNIT_COMPILERS = ("auto", "inductor", "eager")
+#: How streamed weights are copied: one copy per unit's arena span (a view per weight), or one per weight.
+TRANSFERS = ("span", "per_tensor")
 
 
 class Policy(str, Enum):
@@ -93,6 +95,9 @@ class OffloadConfig:
     ``direct_unit_calls``: call each Inductor unit's generated code without the Dynamo / AOT wrapper layers
     (verified per unit on its first call, see :func:`magi_core.execute.unit_compile.direct_call`); False
     keeps the wrapped calls (``MAGI_OFFLOAD_DIRECT_UNIT_CALLS=0``).
+    ``transfer``: "span" (default: each copy batch is one copy of the arena span holding its weights, with a
+    view per weight; per-weight copies where the weights do not form a tight span) or "per_tensor" (one copy
+    per weight), see :mod:`magi_core.execute.transfer`.
 
     Every field can also come from ``MAGI_OFFLOAD_<FIELD>`` (e.g. ``MAGI_OFFLOAD_POLICY=base``), but only where
     the code left the default: the config records which fields were passed to the constructor
@@ -112,6 +117,7 @@ class OffloadConfig:
     max_unit_bytes: int | None = None
     bandwidth_probe_bytes: int | None = None
     direct_unit_calls: bool = True
+    transfer: str = "span"
     #: True on configs returned by :func:`resolve_config` (environment applied); set per instance, never
     #: compared, and not carried over by :meth:`replace`.
     _resolved: ClassVar[bool] = False
@@ -158,6 +164,9 @@ class OffloadConfig:
             set_(self, name, value)
         if not isinstance(self.direct_unit_calls, bool):
             raise _range("direct_unit_calls", self.direct_unit_calls, "True or False")
+        if not isinstance(self.transfer, str) or self.transfer.strip().lower() not in TRANSFERS:
+            raise _range("transfer", self.transfer, " / ".join(repr(c) for c in TRANSFERS))
+        set_(self, "transfer", self.transfer.strip().lower())
 
     # -- derived values -----------------------------------------------------------------------------
     def resolved_unit_compiler(self, is_accelerator: bool) -> str:

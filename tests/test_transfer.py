@@ -82,3 +82,21 @@ def test_offloaded_model_with_span_copies(shm_dir: str, monkeypatch: pytest.Monk
             torch.testing.assert_close(model(x).cpu(), ref(x), rtol=1e-4, atol=1e-4)
     finally:
         magi_core.release(model)
+
+
+def test_config_chooses_the_transfer(shm_dir: str) -> None:
+    from magi_core.execute.transfer import PerTensorTransfer
+
+    torch._dynamo.reset()
+    model = build_transformer(SPEC)
+    x = example_input(SPEC, tokens=5)
+    magi_core.offload(model, magi_core.OffloadConfig(transfer="per_tensor", unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            model(x)
+        t = magi_core.handle(model).runtime.executor.transfer
+        assert type(t) is PerTensorTransfer and t.copy_calls == t.copies
+    finally:
+        magi_core.release(model)
+    with pytest.raises(magi_core.ConfigError, match="transfer"):
+        magi_core.OffloadConfig(transfer="bulk")

@@ -77,9 +77,10 @@ def build_runtime(
     warn_device_branches()
     place_on_device(gm, device, backend.to_method_aliases, example_inputs=example_inputs)
     split = split_into_units(gm, example_inputs, max_unit_bytes=config.max_unit_bytes)
-    executor = OffloadExecutor(  # the backend's capabilities decide "auto" and whether generated code is called directly
+    # the backend's capabilities decide "auto" and whether generated unit code is called directly
+    executor = OffloadExecutor(
         split, backend, device, unit_compiler=backend.resolve_unit_compiler(config.unit_compiler),
-        direct_unit_calls=backend.allows_direct_unit_calls(config.direct_unit_calls),
+        direct_unit_calls=backend.allows_direct_unit_calls(config.direct_unit_calls), transfer=config.transfer,
     )
     runtime = OffloadLifecycle(executor, config)
     logger.info(

@@ -33,7 +33,7 @@ from magi_core.execute.freshness import WeightWatch
 from magi_core.execute.inputs import InputPreparer
 from magi_core.execute.program import build_program
 from magi_core.execute.residency import RESIDENT, ResidentSet, ResidentStore
-from magi_core.execute.transfer import SpanTransfer, WeightTransfer
+from magi_core.execute.transfer import PerTensorTransfer, SpanTransfer, WeightTransfer
 from magi_core.execute.unit_compile import UnitFn, unit_callable
 from magi_core.passes.units import SplitGraph
 from magi_core.plan.contract import Plan
@@ -49,6 +49,8 @@ HOST_LEAD_UNITS = 2
 #: The transfer an executor uses unless it is handed one: one copy per arena span of a batch (per weight where
 #: the weights do not form a tight span).
 DEFAULT_TRANSFER: Callable[[Backend, torch.device], WeightTransfer] = SpanTransfer
+#: Transfers by ``OffloadConfig.transfer`` name ("span" is :data:`DEFAULT_TRANSFER`).
+TRANSFER_KINDS: dict[str, Callable[[Backend, torch.device], WeightTransfer]] = {"per_tensor": PerTensorTransfer}
 
 
 class UnitTimerLike:
@@ -90,7 +92,7 @@ class OffloadExecutor:
         unit_compiler: str = "eager",
         store: ResidentStore | None = None,
         direct_unit_calls: bool = True,
-        transfer: WeightTransfer | None = None,
+        transfer: WeightTransfer | str | None = None,
     ) -> None:
         self.split = split
         self.backend = backend
@@ -102,7 +104,9 @@ class OffloadExecutor:
         self.weight_inputs = weight_inputs
         self.inputs = InputPreparer(device, self.program.n_inputs, sorted(weight_inputs))
         #: Every weight copy goes through this (the transfer seam, :mod:`.transfer`).
-        self.transfer: WeightTransfer = transfer if transfer is not None else DEFAULT_TRANSFER(backend, device)
+        if transfer is None or isinstance(transfer, str):
+            transfer = TRANSFER_KINDS.get(transfer or "span", DEFAULT_TRANSFER)(backend, device)
+        self.transfer: WeightTransfer = transfer
         dm = backend.device_module
         self._current_stream = dm.current_stream
         self._done = [dm.Event() for _ in range(self.n_units)]
