@@ -1,4 +1,9 @@
-"""Shared pytest setup: hypothesis profiles (``HYPOTHESIS_PROFILE``: ``ci`` default, or ``dev``); ``emulated`` skip."""
+"""Shared pytest setup: hypothesis profiles (``HYPOTHESIS_PROFILE``: ``ci`` default, ``dev``, ``explore``); skips.
+
+``ci``: 30 derandomized examples, the same every run (what CI runs). ``dev``: 300 random examples.
+``explore``: 2000 random examples with a fresh seed each run, for a scheduled or manual search; a failure
+prints the seed and the blob to reproduce it (``@reproduce_failure``).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
+settings.register_profile(
+    "explore", max_examples=2000, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

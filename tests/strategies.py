@@ -309,7 +309,9 @@ TO_SPELLINGS: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...] = (
     ((torch.device("cpu"), torch.int64), {}),
 )
 
-FX_OPS = ("linear", "index_select", "gather", "arange", "zeros", "full", "scalar", "cast16", "embed")
+#: ``scalar_to``: the lifted host scalar goes through a ``.to(cpu)`` (any alias and spelling) before ``.item()``;
+#: that ``.to`` must NOT be rewritten to the device (the scalar is read back on the host).
+FX_OPS = ("linear", "index_select", "gather", "arange", "zeros", "full", "scalar", "scalar_to", "cast16", "embed")
 
 
 @dataclass(frozen=True)
@@ -410,6 +412,10 @@ def build_fx_graph(spec: FxSpec) -> tuple[torch.fx.GraphModule, list[Any]]:
             x = graph.call_function(operator.add, (x, f))
         elif op == "scalar":
             item = graph.call_method("item", (scale,))
+            x = graph.call_function(operator.mul, (x, item))
+        elif op == "scalar_to":
+            args, kwargs = TO_SPELLINGS[spec.to_spelling[k] % 5]  # spellings without a dtype
+            item = graph.call_method("item", (graph.call_method(spec.to_alias[k], (scale, *args), dict(kwargs)),))
             x = graph.call_function(operator.mul, (x, item))
         elif op == "cast16":
             x = graph.call_method("to", (graph.call_method("to", (x, torch.float16)), torch.float32))

@@ -211,6 +211,8 @@ def test_dynamo_split_with_budget(spec: ModelSpec, budget: int) -> None:
 @given(fx_specs())
 @example(FxSpec(dim=3, batch=2, ops=("index_select", "gather", "scalar", "cast16", "arange", "zeros", "full"),
                 blocks=(None, 0, 0, 1, 1, None, None), to_alias=("orig_to",) * 7, to_spelling=(0, 1, 2, 3, 4, 5, 5)))
+@example(FxSpec(dim=3, batch=2, ops=("scalar_to", "index_select", "scalar_to"), blocks=(None, 0, 0),
+                to_alias=("to", "orig_to", "orig_to"), to_spelling=(0, 2, 4)))
 def test_fx_graphs_properties(spec: FxSpec) -> None:
     """Properties 1-6 on graphs built directly with torch.fx (every ``.to`` spelling, ``to`` and ``orig_to``)."""
     from strategies import clone_graph_module
