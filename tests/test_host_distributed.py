@@ -1,9 +1,11 @@
 """Host materialisation across ranks (torchrun, gloo): per-rank files under EP, one shared file under EP 1,
-mismatch detection, and cleanup after a rank is killed mid-materialisation."""
+mismatch detection (sampled and full-content), isolation of in-place writes, and cleanup after a rank is
+killed mid-materialisation."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,11 +52,18 @@ def test_shared_file_across_ep_corrupts_experts(shm_dir: str, tmp_path: Path) ->
     assert recs[1]["experts_after"] == recs[0]["experts_before"]
 
 
-def test_ep1_one_shared_file_one_copy_in_memory(shm_dir: str, tmp_path: Path) -> None:
-    recs = _run(2, ["--scenario", "shared", "--dense-mb", "16"], shm_dir, tmp_path)
+@pytest.mark.parametrize("writes", ["read_only", "copy_on_write"])
+def test_ep1_one_shared_file_one_copy_in_memory(writes: str, shm_dir: str, tmp_path: Path) -> None:
+    """Either isolation keeps one copy per node while nobody writes (CPU backend: pinning is bookkeeping)."""
+    recs = _run(2, ["--scenario", "shared", "--dense-mb", "16", "--shared-writes", writes], shm_dir, tmp_path)
     assert recs[0]["mode"] == recs[1]["mode"] == "shared"
+    assert recs[0]["mappings"] == recs[1]["mappings"] == [writes]
     assert recs[0]["inodes"] == recs[1]["inodes"]
     weights = recs[0]["weight_bytes"]
+    if writes == "copy_on_write" and any(r["private_copy_bytes"] for r in recs):
+        # a backend that pins for write (CUDA: measured on an H200) gave each rank its own copy: reported
+        assert all(r["private_copy_bytes"] >= weights // 2 for r in recs)
+        return
     for r in recs:  # each rank has all of the one file resident, mapped once per arena
         assert r["arena_mappings"] == r["arenas"] >= 1 and r["arena_rss"] >= weights, r
     pss = sum(r["arena_pss"] for r in recs)  # proportional share: a page mapped by both counts once in total
@@ -63,6 +72,21 @@ def test_ep1_one_shared_file_one_copy_in_memory(shm_dir: str, tmp_path: Path) ->
         assert r["dense_after"] == r["dense_before"] and r["experts_after"] == r["experts_before"]
         assert r["file_modes"] == [0o600] and r["files_unlinked"] and r["dir_after"] == []
         assert r["registered_after_release"] == 0
+
+
+def test_ep1_pin_that_copies_shared_pages_is_reported(shm_dir: str, tmp_path: Path) -> None:
+    """copy_on_write with a backend that pins for write (CUDA, measured on an H200): each rank ends up with its
+    own copy; that is measured and reported (with the way out), never silent."""
+    recs = _run(2, ["--scenario", "shared", "--privatising-pin", "--shared-writes", "copy_on_write"], shm_dir,
+                tmp_path)
+    for r in recs:
+        assert r["mode"] == "shared" and r["mappings"] == ["copy_on_write"]
+        assert r["private_copy_bytes"] >= r["weight_bytes"] // 2, r["private_copy_bytes"]
+        assert r["dense_after"] == r["dense_before"]
+    logs = "".join(p.read_text() for p in (tmp_path / "torchrun-logs").rglob("*.log"))
+    assert logs.count("made this rank a private copy") == 2 and "shared_writes='read_only'" in logs
+    clean = _run(2, ["--scenario", "shared"], shm_dir, tmp_path / "plain")
+    assert all(r["private_copy_bytes"] == 0 for r in clean)  # the CPU backend's pin copies nothing
 
 
 def test_ep1_per_rank_files_cost_n_copies(shm_dir: str, tmp_path: Path) -> None:
@@ -83,6 +107,51 @@ def test_ep1_mismatched_weights_detected(shm_dir: str, tmp_path: Path) -> None:
         assert r["experts_after"] == r["experts_before"]
         assert r["mode"] == "per_rank"
     assert recs[0]["inodes"] != recs[1]["inodes"]
+
+
+def test_ep1_sparse_difference_found_by_full_check(shm_dir: str, tmp_path: Path) -> None:
+    """One embedding row (64 of 262144 elements) differs on rank 1: the sampled fingerprint agrees, the full
+    comparison does not. 'error': every rank raises naming the tensor and the fix, nothing left behind;
+    'per_rank': rank 1 keeps its own row in a file of its own (before: it silently computed with rank 0's)."""
+    recs = _run(2, ["--scenario", "sparse"], shm_dir, tmp_path)
+    assert recs[0]["emb_before"] != recs[1]["emb_before"]
+    for r in recs:
+        assert r["error"] == "WeightMismatchError", r.get("message")
+        assert "'emb.weight'" in r["message"] and "rank 1 differs from rank 0" in r["message"], r["message"]
+        assert "MAGI_EP_SIZE" in r["message"] and "on_mismatch='per_rank'" in r["message"]
+        assert r["values_unchanged_after_error"] and r["files_after_error"] == [] and r["registered_after_error"] == 0
+        assert r["emb_after"] == r["emb_before"], f"rank {r['rank']} computes with another rank's embedding"
+        assert r["dense_after"] == r["dense_before"] and r["mode"] == "per_rank"
+        assert r["dir_after"] == [] and r["registered_after_release"] == 0
+    assert recs[0]["inodes"] != recs[1]["inodes"]
+
+
+def test_ep1_sampled_check_alone_misses_a_sparse_difference(shm_dir: str, tmp_path: Path) -> None:
+    """verify_shared='sampled' (the old check, kept as an opt-out): the same run shares silently and rank 1
+    computes with rank 0's embedding. This is why 'full' is the default."""
+    recs = _run(2, ["--scenario", "sparse", "--verify", "sampled"], shm_dir, tmp_path)
+    assert [r["error"] for r in recs] == [None, None] and recs[1]["mode"] == "shared"
+    assert recs[1]["emb_after"] == recs[0]["emb_before"] != recs[1]["emb_before"]
+
+
+@pytest.mark.parametrize("mode", ["read_only", "copy_on_write"])
+def test_ep1_write_on_one_rank_never_reaches_another(mode: str, shm_dir: str, tmp_path: Path) -> None:
+    """Rank 0 writes in place into a shared parameter (add_(100)) and a buffer (+= 1) after materialising.
+    read_only: the write kills the writing process (SIGSEGV, here in forked children of rank 0) and changes
+    nothing anywhere. copy_on_write: rank 0 sees its own write, rank 1 does not. Before: rank 1 saw it."""
+    recs = _run(2, ["--scenario", "write", "--shared-writes", mode], shm_dir, tmp_path)
+    assert recs[0]["mode"] == recs[1]["mode"] == "shared" and recs[0]["inodes"] == recs[1]["inodes"]
+    assert recs[1]["bias_delta"] == 0.0 and recs[1]["router_delta"] == 0.0, "rank 0's write reached rank 1"
+    if mode == "read_only":
+        assert recs[0]["mappings"] == recs[1]["mappings"] == ["read_only"]
+        assert recs[0]["param_write_child"] == recs[0]["buffer_write_child"] == -signal.SIGSEGV
+        assert recs[0]["bias_delta"] == 0.0 and recs[0]["router_delta"] == 0.0
+    else:
+        assert recs[0]["mappings"] == recs[1]["mappings"] == ["copy_on_write"]
+        assert recs[0]["bias_delta"] == pytest.approx(100.0, rel=1e-5)  # rank 0 sees its own writes
+        assert recs[0]["router_delta"] == pytest.approx(1.0, rel=1e-5)
+    for r in recs:
+        assert r["dense_after"] == r["dense_before"] and r["dir_after"] == [] and r["registered_after_release"] == 0
 
 
 def test_killed_rank_files_removed_at_next_start_live_ones_kept(shm_dir: str, tmp_path: Path) -> None:

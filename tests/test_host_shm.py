@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import mmap
 import os
 import stat
@@ -10,12 +12,15 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from host_workers.common import child_env, shm_dir_fixture  # noqa: F401  (fixture)
 from torch import nn
 
+from magi_core.errors import ConfigError
 from magi_core.host import HostOptions, ShmSpaceError, materialize, shm
 
 
@@ -218,3 +223,221 @@ def test_mapping_memory_splits_pages_shared_with_another_process(shm_dir: str) -
     del mm
     assert shared == {"Size": nbytes, "Rss": nbytes, "Pss": nbytes // 2, "mappings": 1}
     assert alone == {"Size": nbytes, "Rss": nbytes, "Pss": nbytes, "mappings": 1}
+
+
+# -- liveness across PID namespaces: the owner's lock, not its pid ---------------------------------------------
+_HOLDER = textwrap.dedent("""
+    import sys
+    from magi_core.host import shm
+    fd = shm.create(sys.argv[1], 4096)  # locked for as long as it is open, as a writer holds it
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+def _holder(path: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, path], env=child_env(os.path.dirname(path)),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_cleanup_keeps_a_live_file_whose_owner_pid_is_not_visible(shm_dir: str) -> None:
+    """A job in another PID namespace: the pid in the name means nothing here (simulated with a dead pid), but
+    its owner still holds the lock, so the file stays; once the owner is gone it is removed."""
+    pid, start = _dead_pid()
+    path = os.path.join(shm_dir, shm.file_name(shm.Owner(pid, start, "otherns", "dd"), "node0-float32"))
+    holder = _holder(path)
+    try:
+        assert shm.cleanup_stale(shm_dir) == [] and os.path.exists(path)
+        with materialize(nn.Linear(4, 4), options=HostOptions(progress=False)) as hw:
+            assert hw.report["stale_removed"] == []
+        assert os.path.exists(path)
+    finally:
+        holder.communicate("")
+    assert shm.cleanup_stale(shm_dir) == [path] and os.listdir(shm_dir) == []
+
+
+_WRITER = textwrap.dedent("""
+    import os, sys
+    from magi_core.host import shm
+    path = os.path.join(sys.argv[1], shm.file_name(shm.Owner.current(), "node0-float32"))
+    fd = shm.create(path, 1 << 20)
+    os.pwrite(fd, b"x" * 4096, 0)  # half written
+    print(path, flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_file_of_a_writer_killed_mid_write_is_removed_by_the_next_run(shm_dir: str) -> None:
+    """kill -9 while a file is being written (created, locked, partly filled): the kernel drops the lock and
+    the next run removes the file."""
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, shm_dir], env=child_env(shm_dir), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    path = proc.stdout.readline().strip()
+    assert os.path.exists(path) and shm.cleanup_stale(shm_dir) == []  # alive: kept
+    proc.kill()
+    proc.wait()
+    assert os.listdir(shm_dir) == [os.path.basename(path)]
+    with materialize(nn.Linear(4, 4), options=HostOptions(progress=False)) as hw:
+        assert hw.report["stale_removed"] == [path]
+    assert os.listdir(shm_dir) == []
+
+
+def test_cleanup_never_touches_symlinks_fifos_or_other_users_files(shm_dir: str, tmp_path: Path) -> None:
+    pid, start = _dead_pid()
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"keep")
+    link = os.path.join(shm_dir, shm.file_name(shm.Owner(pid, start, "job", "aa"), "node0-float32"))
+    os.symlink(target, link)
+    fifo = os.path.join(shm_dir, shm.file_name(shm.Owner(pid, start, "job", "bb"), "node0-float32"))
+    os.mkfifo(fifo, 0o600)
+    kept = [link, fifo]
+    if os.geteuid() == 0:  # a file named with our uid but owned by someone else
+        other = os.path.join(shm_dir, shm.file_name(shm.Owner(pid, start, "job", "cc"), "node0-float32"))
+        open(other, "wb").close()
+        os.chown(other, 12345, 12345)
+        kept.append(other)
+    try:
+        assert shm.cleanup_stale(shm_dir) == []
+        assert all(os.path.lexists(p) for p in kept) and target.read_bytes() == b"keep"
+    finally:
+        for p in kept:
+            os.unlink(p)
+
+
+def test_create_locks_until_closed(shm_dir: str) -> None:
+    import fcntl
+
+    path = os.path.join(shm_dir, shm.file_name(shm.Owner.current(), "t"))
+    fd = shm.create(path, 4096)
+    probe = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shm.unlink(path)
+        os.close(fd)
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the owner's fd
+    finally:
+        os.close(probe)
+
+
+# -- the shm directory: checked before any file is created -------------------------------------------------------
+def _mount_tmpfs(options: str) -> str | None:
+    path = os.path.join("/tmp", f"magi-mnt-{uuid.uuid4().hex[:8]}")
+    os.makedirs(path)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path],
+                                           capture_output=True).returncode != 0:
+        os.rmdir(path)
+        return None
+    return path
+
+
+def _umount(path: str) -> None:
+    subprocess.run(["umount", path], check=True)
+    os.rmdir(path)
+
+
+def test_missing_shm_dir_is_a_config_error_and_is_not_created(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope")
+    m = nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="does not exist") as info:
+        materialize(m, options=HostOptions(shm_dir=missing, progress=False))
+    assert "MAGI_SHM_DIR" in str(info.value) and not os.path.exists(missing)
+    assert isinstance(m.weight, nn.Parameter) and m.weight.numel() == 16
+
+
+def test_shm_dir_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_bytes(b"")
+    with pytest.raises(ConfigError, match="not a directory"):
+        materialize(nn.Linear(4, 4), options=HostOptions(shm_dir=str(f), progress=False))
+
+
+@pytest.fixture
+def readonly_dir(tmp_path: Path) -> Iterator[str]:
+    """A read-only tmpfs mount (root), else a directory without write permission (non-root)."""
+    mnt = _mount_tmpfs("ro,size=1m")
+    if mnt is not None:
+        try:
+            yield mnt
+        finally:
+            _umount(mnt)
+        return
+    if os.geteuid() == 0:
+        pytest.skip("root cannot mount here, and permissions do not stop root")
+    d = tmp_path / "ro"
+    d.mkdir(mode=0o500)
+    try:
+        yield str(d)
+    finally:
+        d.chmod(0o700)
+
+
+def test_read_only_shm_dir_is_a_config_error(readonly_dir: str) -> None:
+    m = nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="read-only|not writable") as info:
+        materialize(m, options=HostOptions(shm_dir=readonly_dir, progress=False))
+    assert "MAGI_SHM_DIR" in str(info.value) and os.listdir(readonly_dir) == []
+
+
+def test_disk_shm_dir_works_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    kind = shm.fs_type(str(tmp_path))
+    if kind is None or kind in shm.MEMORY_FS:
+        pytest.skip(f"{tmp_path} is not on a disk filesystem here ({kind})")
+    m = nn.Linear(8, 8)
+    ref = m.weight.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="magi_core.host.shm"):
+        with materialize(m, options=HostOptions(shm_dir=str(tmp_path), progress=False)) as hw:
+            assert torch.equal(m.weight, ref) and hw.report["shm_fs"] == kind
+    assert any("not in memory" in r.getMessage() and "MAGI_SHM_DIR" in r.getMessage() for r in caplog.records)
+    assert os.listdir(tmp_path) == []
+
+
+def test_memory_filesystems_are_recognised(shm_dir: str) -> None:
+    assert shm.fs_type(shm_dir) in shm.MEMORY_FS
+
+
+def test_no_free_inodes_is_a_space_error(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """statvfs says no inode is left: ShmSpaceError before anything is created; ENOSPC from the create itself
+    (the filesystem ran out between the check and the create) is the same error."""
+    m = nn.Linear(4, 4)
+    with monkeypatch.context() as mp:
+        mp.setattr(shm, "free_inodes", lambda d: 0)
+        with pytest.raises(ShmSpaceError, match="inode") as info:
+            materialize(m, options=HostOptions(progress=False))
+    assert info.value.inodes and "nr_inodes" in str(info.value) and os.listdir(shm_dir) == []
+    real_open = os.open
+
+    def full(path: str, flags: int, *args: int) -> int:
+        if str(path).startswith(shm_dir) and flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_open(path, flags, *args)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "open", full)
+        with pytest.raises(ShmSpaceError, match="inode"):
+            materialize(m, options=HostOptions(progress=False))
+    assert os.listdir(shm_dir) == [] and m.weight.numel() == 16
+
+
+def test_no_free_inodes_in_a_real_tmpfs() -> None:
+    mnt = _mount_tmpfs("size=4m,nr_inodes=4,mode=0700")
+    if mnt is None:
+        pytest.skip("cannot mount a tmpfs here (the monkeypatched test covers the error paths)")
+    try:
+        for i in range(16):  # use up every inode
+            try:
+                open(os.path.join(mnt, f"filler-{i}"), "wb").close()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                break
+        fillers = sorted(os.listdir(mnt))
+        with pytest.raises(ShmSpaceError, match="inode"):
+            materialize(nn.Linear(4, 4), options=HostOptions(shm_dir=mnt, progress=False))
+        with pytest.raises(ShmSpaceError, match="inode"):  # the create itself: ENOSPC
+            shm.create(os.path.join(mnt, shm.file_name(shm.Owner.current(), "t")), 4096)
+        assert sorted(os.listdir(mnt)) == fillers
+    finally:
+        _umount(mnt)

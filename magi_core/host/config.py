@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from magi_core._env import GIB, env_bool, env_float, env_int, env_str
+from magi_core._env import env_bool, env_gib_bytes, env_int, env_str
 from magi_core.errors import ConfigError
 from magi_core.host.topology import resolve_ep_size
 
@@ -30,11 +30,12 @@ ENV_SHM_DIR = "MAGI_SHM_DIR"
 DEFAULT_SHM_DIR = "/dev/shm"
 
 MismatchPolicy = Literal["error", "per_rank"]
+VerifyMode = Literal["full", "sampled"]
+SharedWrites = Literal["read_only", "copy_on_write"]
 
 
 def _env_gib(name: str) -> int | None:
-    gib = env_float(name, minimum=0.0, unit="GiB")
-    return None if gib is None else int(gib * GIB)
+    return env_gib_bytes(name)  # finite GiB >= 0 as bytes; nan, inf and overflow raise ConfigError naming it
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,28 @@ class HostOptions:
     progress: bool | None = None
     #: Ranks that would share a file but hold different weights: raise ("error") or use own files ("per_rank").
     on_mismatch: MismatchPolicy = "error"
-    #: Elements sampled per tensor for the cross-rank fingerprint.
+    #: How ranks sharing a file prove they hold the same weights. "full": every rank that maps another rank's
+    #: file compares all of its own bytes with the file's before using it (memory speed; see README "Sharing
+    #: across ranks"). "sampled": only the sampled fingerprint (misses sparse differences; for when the
+    #: weights are known to be identical, e.g. loaded from one checkpoint).
+    verify_shared: VerifyMode = "full"
+    #: What an in-place write (``param.add_``, ``load_state_dict``, a buffer update) does to weights in a file
+    #: shared by several ranks; it never reaches another rank. "read_only" (default): the mapping is made
+    #: read-only once written, checked and pinned: one copy per node even when pinned (what sharing is for:
+    #: a model that fits the host once, not once per rank), but a write kills the writing process with SIGSEGV
+    #: and a Python traceback (torch cannot turn it into an exception; the log says so at set-up).
+    #: "copy_on_write": the mapping is private, the write changes this rank's pages only (edits after offload
+    #: keep working); but registering such a mapping with CUDA copies every page (measured on an H200), so with
+    #: a device pinning it each rank holds its own copy (a warning says so). Files used by one rank only
+    #: (EP > 1, one process) stay writable either way.
+    shared_writes: SharedWrites = "read_only"
+    #: Elements sampled per tensor for the cross-rank fingerprint (a fast pre-check before any file is written).
     fingerprint_samples: int = 64
     #: Byte alignment of every tensor inside an arena.
     alignment: int = 256
-    #: Remove files of crashed runs (dead owner process) from the shm directory before creating ours.
+    #: Remove files of crashed runs (owner gone: its lock is free) from the shm directory before creating ours.
     cleanup_stale: bool = True
-    #: TEST ONLY: ignore the EP size and the fingerprint check and share one file anyway (the old, corrupting way).
+    #: TEST ONLY: ignore the EP size and every check and share one file anyway (the old, corrupting way).
     _unsafe_share_across_ranks: bool = False
 
     def resolve(self) -> HostOptions:
@@ -93,6 +109,10 @@ class HostOptions:
             raise ConfigError(f"HostOptions.pin_budget_bytes={self.pin_budget_bytes}: must be >= 0 (or None for all)")
         if self.on_mismatch not in ("error", "per_rank"):
             raise ConfigError(f"HostOptions.on_mismatch={self.on_mismatch!r}: use 'error' or 'per_rank'")
+        if self.verify_shared not in ("full", "sampled"):
+            raise ConfigError(f"HostOptions.verify_shared={self.verify_shared!r}: use 'full' or 'sampled'")
+        if self.shared_writes not in ("read_only", "copy_on_write"):
+            raise ConfigError(f"HostOptions.shared_writes={self.shared_writes!r}: use 'read_only' or 'copy_on_write'")
         if self.fingerprint_samples < 1:
             raise ConfigError(f"HostOptions.fingerprint_samples={self.fingerprint_samples}: must be >= 1")
         a = self.alignment

@@ -6,15 +6,19 @@ from magi_core.errors import MagiError
 
 
 class ShmSpaceError(MagiError):
-    """The shared-memory filesystem has no room for the weights."""
+    """The shared-memory filesystem has no room for the weights (no free bytes, or no free inodes)."""
 
-    def __init__(self, shm_dir: str, needed: int, available: int, cause: str | None = None) -> None:
-        self.shm_dir, self.needed, self.available = shm_dir, needed, available
+    def __init__(self, shm_dir: str, needed: int, available: int, cause: str | None = None,
+                 inodes: bool = False) -> None:
+        self.shm_dir, self.needed, self.available, self.inodes = shm_dir, needed, available, inodes
         why = f" ({cause})" if cause else ""
+        what = "files (no free inodes)" if inodes else "the host weights"
+        grow = (f"mount -o remount,nr_inodes=... {shm_dir}, or remove unused files there" if inodes
+                else f"mount -o remount,size=... {shm_dir}")
         super().__init__(
-            f"no room for the host weights in {shm_dir}{why}: {needed} bytes needed ({needed / 2**30:.2f} GiB), "
+            f"no room for {what} in {shm_dir}{why}: {needed} bytes needed ({needed / 2**30:.2f} GiB), "
             f"{available} bytes available ({available / 2**30:.2f} GiB). Enlarge it (e.g. docker --shm-size, "
-            f"or mount -o remount,size=... {shm_dir}), point MAGI_SHM_DIR at a larger tmpfs, or set "
+            f"or {grow}), point MAGI_SHM_DIR at a larger tmpfs, or set "
             "MAGI_SKIP_SHM=1 to keep plain host tensors. The model was left unchanged."
         )
 

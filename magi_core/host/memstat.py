@@ -39,16 +39,17 @@ _DELETED = " (deleted)"
 
 
 def mapping_memory(ranges: Iterable[tuple[int, int]], paths: Iterable[str] = (),
-                   pid: int | None = None) -> dict[str, int]:
-    """``Size``, ``Rss`` and ``Pss`` bytes of the mappings overlapping any (ptr, nbytes) in ``ranges`` or
-    backed by a file in ``paths`` (unlinked files too), plus their count as ``mappings``.
+                   pid: int | None = None, keys: tuple[str, ...] = _MAPPING_KEYS) -> dict[str, int]:
+    """``Size``, ``Rss`` and ``Pss`` bytes (or the smaps fields ``keys``, e.g. ``Anonymous``: pages of a
+    private file mapping that became this process's own) of the mappings overlapping any (ptr, nbytes) in
+    ``ranges`` or backed by a file in ``paths`` (unlinked files too), plus their count as ``mappings``.
 
     Unlike ``Pss_Shmem`` of the whole process this counts only those mappings, so a driver's own shared
     mappings (pinned staging buffers, IPC) do not inflate it. A page mapped by N processes adds 1/N.
     """
     spans = [(p, p + n) for p, n in ranges if n > 0]
     wanted = {os.path.realpath(p) for p in paths}
-    out = dict.fromkeys((*_MAPPING_KEYS, "mappings"), 0)
+    out = dict.fromkeys((*keys, "mappings"), 0)
     hit = False
     try:
         with open(f"/proc/{pid or 'self'}/smaps") as f:
@@ -61,7 +62,7 @@ def mapping_memory(ranges: Iterable[tuple[int, int]], paths: Iterable[str] = (),
                     continue
                 if hit:
                     name, _, rest = line.partition(":")
-                    if name in _MAPPING_KEYS:
+                    if name in keys:
                         out[name] += int(rest.split()[0]) * 1024
     except OSError:
         pass

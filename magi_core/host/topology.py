@@ -7,8 +7,9 @@ EP size, first match wins:
 3. launcher variables, in this order: ``EXPERT_MODEL_PARALLEL_SIZE`` (Megatron-style launch scripts),
    ``EXPERT_PARALLEL_SIZE``, ``EP_SIZE``;
 4. 1 (every rank holds the same weights). With EP size 1 the ranks of a node share one file, and a
-   sampled fingerprint of every tensor proves they really hold the same weights: when they do not,
-   :func:`magi_core.host.materialize` fails and says to set ``MAGI_EP_SIZE``; it never silently shares.
+   sampled fingerprint of every tensor (a fast pre-check) and then a comparison of every byte prove they
+   really hold the same weights: when they do not, :func:`magi_core.host.materialize` fails on every rank
+   naming the tensors and says to set ``MAGI_EP_SIZE``; it never silently shares.
 
 Node-local peers are found by exchanging (host name, shm-directory device and inode, uid) over
 torch.distributed, so ranks that can open the same file are grouped whatever launcher started them;

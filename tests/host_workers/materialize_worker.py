@@ -5,17 +5,27 @@ Writes ``<out>/rank<R>.json`` with what the test checks. Scenarios:
 ``shared``   identical weights on every rank (EP 1): one file per node
 ``mismatch`` EP 1 but different experts: error expected, then on_mismatch='per_rank'
 ``crash``    rank 0 kills itself in the middle of copying (the test then checks the cleanup)
+``sparse``   EP 1, every rank equal except one embedding row on rank 1 (64 of 262144 elements: the sampled
+             fingerprint cannot see it): error expected, then on_mismatch='per_rank'
+``write``    EP 1, identical weights: after materialising, rank 0 writes in place into a parameter and a
+             buffer (``--shared-writes copy_on_write``: itself; read_only: in forked children, which die)
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
 import datetime
 import hashlib
 import json
+import mmap
 import os
+import resource
 import signal
 import stat
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +41,7 @@ from magi_core.plugin.cpu import registered_ranges
 class Model(nn.Module):
     """A dense trunk (same on every rank) and an expert shard (rank-specific when ``own_experts``)."""
 
-    def __init__(self, rank: int, own_experts: bool, dense_mb: int) -> None:
+    def __init__(self, rank: int, own_experts: bool, dense_mb: int, sparse_rank: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
         n = int((dense_mb * 2**20 / 4) ** 0.5)
@@ -47,11 +57,68 @@ class Model(nn.Module):
             self.head.weight.copy_(torch.randn(8, 64, generator=g))
             self.head.bias.zero_()
         self.tied = self.head  # the same module (and weights) reachable twice
+        self.emb = nn.Embedding(4096, 64)  # 262144 elements
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(4096, 64, generator=g))
+            if sparse_rank:  # one row of 64 elements differs: no sampled element lies in it
+                self.emb.weight[7].add_(1.0)
 
 
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's values (all of them)."""
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def privatising_backend() -> Any:
+    """The CPU backend, except that registering a range writes to each of its pages first (what pinning for
+    write does to a copy-on-write mapping under CUDA: every page becomes the process's own)."""
+    real = get_backend()
+
+    def register(ptr: int, nbytes: int) -> None:
+        pages = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+        pages[:: mmap.PAGESIZE].add_(0)
+        real.host_register(ptr, nbytes)
+
+    return dataclasses.replace(real, _register=register)
+
+
+def _in_child(fn: Callable[[], None]) -> int:
+    """Run ``fn`` in a forked child; its wait status as -signal (killed) or its exit code."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a SIGSEGV leaves no core file
+            fn()
+            os._exit(0)
+        except BaseException:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def write_in_place(model: Model, rank: int, mode: str, rec: dict[str, object]) -> None:
+    """Rank 0 writes into a parameter and a buffer; every rank records what it sees afterwards."""
+    bias_before = model.dense.bias.detach().clone()
+    router_before = model.router.detach().clone()
+
+    def add_param() -> None:
+        with torch.no_grad():
+            model.dense.bias.add_(100)
+
+    def bump_buffer() -> None:
+        model.router += 1
+
+    if rank == 0:
+        if mode == "copy_on_write":
+            add_param()
+            bump_buffer()
+        else:  # a write to a read-only mapping kills the process: do it in children of this rank
+            rec["param_write_child"] = _in_child(add_param)
+            rec["buffer_write_child"] = _in_child(bump_buffer)
+    dist.barrier()
+    rec["bias_delta"] = float((model.dense.bias - bias_before).abs().max())
+    rec["router_delta"] = float((model.router - router_before).abs().max())
+    dist.barrier()
 
 
 @record
@@ -61,6 +128,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dense-mb", type=int, default=2)
     ap.add_argument("--unsafe", action="store_true")
+    ap.add_argument("--shared-writes", default="copy_on_write")
+    ap.add_argument("--verify", default="full", help="HostOptions.verify_shared")
+    ap.add_argument("--privatising-pin", action="store_true",
+                    help="register the way CUDA does for a private mapping: writing every page (copy-on-write breaks)")
     ap.add_argument("--device", action="store_true", help="use the accelerator (NCCL etc.) instead of gloo")
     args = ap.parse_args()
     if args.device:
@@ -73,8 +144,9 @@ def main() -> None:
     rank = dist.get_rank()
     shm_dir = os.environ["MAGI_SHM_DIR"]
     own = args.scenario in ("ep", "mismatch")
-    model = Model(rank, own, args.dense_mb)
+    model = Model(rank, own, args.dense_mb, sparse_rank=args.scenario == "sparse" and rank == 1)
     rec: dict[str, object] = {"rank": rank, "world": dist.get_world_size()}
+    rec["emb_before"] = digest(model.emb.weight)
     rec["experts_before"] = digest(model.experts)
     rec["dense_before"] = digest(model.dense.weight)
     expert_param = model.experts
@@ -89,20 +161,30 @@ def main() -> None:
         if args.scenario == "crash" and rank == 0 and phase == "copy":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    opts = HostOptions(_unsafe_share_across_ranks=args.unsafe, progress=False)
-    if args.scenario == "mismatch":
+    opts = HostOptions(_unsafe_share_across_ranks=args.unsafe, progress=False, shared_writes=args.shared_writes,
+                       verify_shared=args.verify)
+    hw = None
+    if args.scenario in ("mismatch", "sparse"):
         ptr_before = model.experts.data_ptr()
+        state_before = {k: digest(v) for k, v in model.state_dict().items()}
         try:
-            materialize(model, options=opts, on_progress=on_progress)
+            hw = materialize(model, options=opts, on_progress=on_progress)
             rec["error"] = None
         except Exception as exc:
             rec["error"] = type(exc).__name__
             rec["message"] = str(exc)
         rec["unchanged_after_error"] = (model.experts.data_ptr() == ptr_before
                                         and digest(model.experts) == rec["experts_before"])
+        rec["values_unchanged_after_error"] = {k: digest(v) for k, v in model.state_dict().items()} == state_before
+        rec["registered_after_error"] = len(registered_ranges())
+        dist.barrier()  # every rank has cleaned up before anyone lists the directory
         rec["files_after_error"] = sorted(os.listdir(shm_dir))
+        dist.barrier()
         opts = HostOptions(on_mismatch="per_rank", progress=False)
-    hw = materialize(model, options=opts, on_progress=on_progress)
+    if hw is None:
+        hw = materialize(model, options=opts, on_progress=on_progress,
+                         backend=privatising_backend() if args.privatising_pin else None)
+    rec["private_copy_bytes"] = hw.report.get("private_copy_bytes")
     rec["identity_kept"] = model.experts is expert_param and model.tied.weight is model.head.weight
     rec["mode"] = hw.report["mode"]
     rec["inodes"] = sorted(f["inode"] for f in hw.report["files"])
@@ -116,6 +198,10 @@ def main() -> None:
         rec["host_after_to"] = model.dense.weight.device.type == "cpu"
     rec["experts_after"] = digest(model.experts)
     rec["dense_after"] = digest(model.dense.weight)
+    rec["emb_after"] = digest(model.emb.weight)
+    rec["mappings"] = sorted({str(f.get("mapping")) for f in hw.report["files"]})
+    if args.scenario == "write":
+        write_in_place(model, rank, args.shared_writes, rec)
     rec["weight_bytes"] = hw.weight_bytes
     rec["pinned_bytes"] = hw.pinned_bytes
     rec["registered"] = len(registered_ranges())
