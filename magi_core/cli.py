@@ -1,4 +1,4 @@
-"""The ``magi`` command: ``magi backends [--json]``, ``magi demo``, ``magi bench``, ``magi --version``.
+"""The ``magi`` command: ``magi backends [--json] [--check NAME]``, ``magi demo``, ``magi bench``, ``magi --version``.
 
 ``demo`` and ``bench`` live in :mod:`magi_core.bench.demo` and :mod:`magi_core.bench`; each module provides
 ``add_arguments(parser)`` and ``main(args) -> int`` and is imported only when its subcommand runs.
@@ -22,7 +22,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 #: Exit codes.
-EXIT_OK, EXIT_SELECTION_ERROR, EXIT_UNAVAILABLE = 0, 1, 2
+EXIT_OK, EXIT_SELECTION_ERROR, EXIT_UNAVAILABLE, EXIT_CHECK_FAILED = 0, 1, 2, 3
 
 _SELECTED_BY_TEXT = {
     "explicit": "explicit choice (use_backend / --backend)",
@@ -41,8 +41,11 @@ def version_text() -> str:
     return f"magi-core {__version__} (hook spec {HOOKSPEC_VERSION}, torch {torch.__version__})"
 
 
-def backends_report(explicit: str | None = None) -> dict[str, Any]:
-    """Every discovered backend and the selection (or its error), as a JSON-ready dict."""
+def backends_report(explicit: str | None = None, check: str | None = None) -> dict[str, Any]:
+    """Every discovered backend, the selection (or its error) and why each other backend lost, as a JSON-ready dict.
+
+    ``check`` names a backend to check as ``magi backends --check NAME`` does (the result is under ``"check"``).
+    """
     import torch
 
     from magi_core import __version__
@@ -51,19 +54,35 @@ def backends_report(explicit: str | None = None) -> dict[str, Any]:
 
     records = list_backends()
     selection = current_selection(explicit)
-    return {
+    winner = next((r for r in records if r.name == selection.name), None)
+    report: dict[str, Any] = {
         "magi_core_version": __version__,
         "hookspec_version": HOOKSPEC_VERSION,
         "torch_version": torch.__version__,
         "selected": selection.name,
         "selected_by": selection.selected_by,
         "selection_error": selection.error,
-        "backends": [r.to_dict(selected=r.name == selection.name) for r in records],
+        "backends": [
+            r.to_dict(selected=r.name == selection.name, lost=r.lost_to(winner, selection.selected_by))
+            for r in records
+        ],
     }
+    if check is not None:
+        from magi_core.plugin.check import check_backend
+
+        report["check"] = check_backend(check).to_dict()
+    return report
 
 
-def format_report(report: dict[str, Any]) -> str:
-    """The human-readable form of :func:`backends_report`."""
+def _status_text(b: dict[str, Any]) -> str:
+    """The STATUS cell: selected, or why this backend lost (refused, unavailable, lower priority)."""
+    if b["selected"]:
+        return "available, selected"
+    return b.get("lost") or ("available" if b["available"] else f"unavailable: {b['why_unavailable']}")
+
+
+def format_report(report: dict[str, Any], verbose: int = 0) -> str:
+    """The human-readable form of :func:`backends_report` (``verbose``: load and probe tracebacks too)."""
     lines = [
         f"magi-core {report['magi_core_version']}, hook spec {report['hookspec_version']}, "
         f"torch {report['torch_version']}",
@@ -77,7 +96,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{b['package']} {b['package_version']}",
             b["device_type"] or "-",
             "-" if b["priority"] is None else str(b["priority"]),
-            "available" if b["available"] else f"unavailable: {b['why_unavailable']}",
+            _status_text(b),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
@@ -97,23 +116,54 @@ def format_report(report: dict[str, Any]) -> str:
         if b["unknown_hooks"]:
             details.append("unknown hooks: " + ", ".join(b["unknown_hooks"]))
         lines.append(f"{b['name']}: " + "; ".join(details))
+        if b.get("error_traceback"):
+            if verbose:
+                lines.append("  " + b["error_traceback"].replace("\n", "\n  "))
+            else:
+                lines.append("  (error traceback: run `magi -v backends`)")
     lines.append("")
     if report["selection_error"]:
         lines.append(f"selection error: {report['selection_error']}")
     else:
         how = _SELECTED_BY_TEXT.get(report["selected_by"], report["selected_by"])
         lines.append(f"selected: {report['selected']} (by {how})")
+    if report.get("check") is not None:
+        lines += ["", _format_check(report["check"])]
+    return "\n".join(lines)
+
+
+def _format_check(check: dict[str, Any]) -> str:
+    """The ``--check`` section: each problem with its fix, then the notes."""
+    problems = check["problems"]
+    lines = [f"check of backend {check['backend']!r}: "
+             + ("no problems found" if not problems else f"{len(problems)} problem(s)")]
+    for i, p in enumerate(problems, 1):
+        lines.append(f"  {i}. {p['hook']}: {p['what']}")
+        lines.append(f"     fix: {p['fix']}")
+    lines += [f"  note: {n}" for n in check["notes"]]
+    if check["initialised"] is not None:
+        lines.append(f"  device initialised after the check: {'yes' if check['initialised'] else 'no'}")
     return "\n".join(lines)
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    """``magi backends``: list every backend and the selection; exit 1 when selection fails."""
-    report = backends_report(args.backend)
+    """``magi backends``: list every backend and the selection; exit 1 when selection fails.
+
+    With ``--check NAME``: also check that backend (hooks, probe, device module, aliases, capabilities) without
+    initialising its device; exit 3 when the check finds problems.
+    """
+    check = getattr(args, "check", None)
+    report = backends_report(args.backend, check=check)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(format_report(report))
-    if report["selection_error"]:
+        print(format_report(report, verbose=args.verbose))
+    if check is not None and not report["check"]["ok"]:
+        if args.json:
+            print(f"magi: backend {check!r} failed its check ({len(report['check']['problems'])} problem(s))",
+                  file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    if report["selection_error"] and check is None:
         if args.json:
             print(f"magi: selection error: {report['selection_error']}", file=sys.stderr)
         return EXIT_SELECTION_ERROR
@@ -146,6 +196,11 @@ def build_parser(lazy: dict[str, ModuleType | None] | None = None) -> argparse.A
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("backends", help="list discovered backends and which one is selected, and why")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--check", metavar="NAME", default=None,
+                   help="check backend NAME (hooks, device module, aliases, capabilities) without initialising its "
+                        "device; print each problem with its fix, exit 3 on problems")
+    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="show the traceback of load and probe errors (same as `magi -v backends`)")
     p.set_defaults(func=cmd_backends)
     for name, (module_name, help_text) in LAZY_COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=f"{help_text} ({module_name})")

@@ -88,13 +88,13 @@ def test_text_listing_shows_why_unavailable_and_missing_hooks(tmp_path: Path) ->
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     flaky = next(line for line in lines if line.split()[:1] == ["flaky"])
-    assert "magi-backend-flaky 0.0.1" in flaky and "unavailable: probe raised RuntimeError: no driver loaded" in flaky
+    assert "magi-backend-flaky 0.0.1" in flaky and "refused: probe raised RuntimeError: no driver loaded" in flaky
     absent = next(line for line in lines if line.split()[:1] == ["absent"])
     assert "60" in absent and "unavailable: no absent device visible" in absent
     assert "absent: entry point fake_absent; backend version 9.9; hook-spec versions 1; " \
            "optional hooks missing: magi_range_push, magi_range_pop" in run.stdout
     cpu = next(line for line in lines if line.split()[:2] == ["*", "cpu"])
-    assert "available" in cpu
+    assert "available, selected" in cpu
     assert lines[-1] == "selected: cpu (by probe: the highest-priority available backend)"
     assert "no driver loaded" in run.stderr  # the probe error is logged too
 
@@ -185,3 +185,130 @@ def test_build_parser_without_lazy_modules_knows_all_commands() -> None:
     parser = cli.build_parser()
     args = parser.parse_args(["backends", "--json"])
     assert isinstance(args, argparse.Namespace) and args.json and args.func is cli.cmd_backends
+
+
+# -- why each backend lost, --check, -v ------------------------------------------------------------------------------
+
+def test_listing_says_why_each_backend_was_not_selected(tmp_path: Path) -> None:
+    add_backend(tmp_path, "fast", device_type="fast", priority=50)
+    add_backend(tmp_path, "slow", device_type="slow", priority=10)
+    add_backend(tmp_path, "absent", device_type="absent", priority=60, available=False, reason="no absent device")
+    add_backend(tmp_path, "flaky", device_type="flaky", priority=70, probe_raises="no driver loaded")
+    report = _json(magi("backends", "--json", paths=(tmp_path,)))
+    by_name = {b["name"]: b for b in report["backends"]}
+    assert report["selected"] == "fast" and by_name["fast"]["lost"] is None and by_name["fast"]["status"] == "available"
+    assert by_name["slow"]["lost"].startswith("lower priority (10) than 'fast' (50)")
+    assert by_name["cpu"]["lost"].startswith("lower priority (0) than 'fast' (50)")
+    assert by_name["absent"]["lost"] == "unavailable: no absent device" and by_name["absent"]["status"] == "unavailable"
+    assert by_name["flaky"]["lost"] == "refused: probe raised RuntimeError: no driver loaded"
+    assert by_name["flaky"]["status"] == "refused"
+    env = _json(magi("backends", "--json", paths=(tmp_path,), env={"MAGI_BACKEND": "slow"}))
+    fast = next(b for b in env["backends"] if b["name"] == "fast")
+    assert fast["lost"] == "available, but MAGI_BACKEND=slow selects 'slow'"
+    text = magi("backends", paths=(tmp_path,)).stdout
+    slow = next(line for line in text.splitlines() if line.split()[:1] == ["slow"])
+    assert "lower priority (10) than 'fast' (50); select it with MAGI_BACKEND=slow" in slow
+
+
+BROKEN_DEVICE = """
+import contextlib, torch
+INIT = []
+class Stream:                      # not a torch.Stream: record_stream rejects it
+    def __init__(self, device=None, priority=0):
+        INIT.append("stream")      # creating a stream initialises this device
+class Event:
+    def __init__(self, blocking=False):   # no enable_timing
+        INIT.append("event")
+def current_stream(device=None):
+    INIT.append("current_stream")
+    return Stream()
+@contextlib.contextmanager
+def stream(s):
+    yield
+def synchronize(device=None):
+    pass
+def is_initialized():
+    return bool(INIT)
+def current_device():
+    return 0
+"""
+
+BROKEN_BACKEND_EXTRA = """
+import fake_brokendev_module
+
+@hookimpl
+def magi_device_module():
+    return fake_brokendev_module
+
+@hookimpl
+def magi_to_method_aliases():
+    return ("to", "not_a_tensor_method")
+"""
+
+
+def test_check_reports_each_problem_with_its_fix_without_initialising_the_device(tmp_path: Path) -> None:
+    from helpers.fake_backends import backend_source, write_dist
+
+    source = backend_source("brokendev", 50, omit=["magi_device_module", "magi_to_method_aliases"],
+                            extra=BROKEN_BACKEND_EXTRA)
+    write_dist(tmp_path, "magi-backend-brokendev", {"fake_brokendev": source, "fake_brokendev_module": BROKEN_DEVICE},
+               {"brokendev": "fake_brokendev"})
+    run = magi("backends", "--check", "brokendev", paths=(tmp_path,))
+    assert run.returncode == cli.EXIT_CHECK_FAILED, run.stdout + run.stderr
+    out = run.stdout[run.stdout.index("check of backend 'brokendev'"):]
+    assert "Stream is not a torch.Stream subclass" in out and "derive Stream from torch.Stream" in out
+    assert "Event does not accept enable_timing" in out
+    for attr in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats", "is_available"):
+        assert f"lacks {attr}" in out, attr
+    assert "'not_a_tensor_method' is not a torch.Tensor method" in out
+    assert out.count("fix: ") == out.count(". magi_") + out.count(". load") + out.count(". install")
+    assert "device initialised after the check: no" in out  # classes inspected, never instantiated
+    report = _json(magi("backends", "--json", "--check", "brokendev", paths=(tmp_path,)))
+    check = report["check"]
+    assert check["backend"] == "brokendev" and check["ok"] is False and check["initialised"] is False
+    hooks = {p["hook"] for p in check["problems"]}
+    assert hooks == {"magi_device_module", "magi_to_method_aliases"}
+    assert all(p["what"] and p["fix"] for p in check["problems"])
+    assert any("magi_capabilities not implemented" in n for n in check["notes"])
+
+
+def test_check_of_a_conforming_backend_passes() -> None:
+    run = magi("backends", "--check", "cpu")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "check of backend 'cpu': no problems found" in run.stdout
+    assert "capabilities: Capabilities(inductor=True, default_unit_compiler='eager'" in run.stdout
+    nosuch = magi("backends", "--check", "nosuch")
+    assert nosuch.returncode == cli.EXIT_CHECK_FAILED and "no backend named 'nosuch' is installed" in nosuch.stdout
+
+
+def test_verbose_listing_shows_the_load_error_traceback(tmp_path: Path) -> None:
+    from helpers.fake_backends import write_dist
+
+    write_dist(tmp_path, "magi-backend-broken", {"fake_broken": "import no_such_module_xyz\n"},
+               {"broken": "fake_broken"})
+    quiet = magi("backends", paths=(tmp_path,))
+    assert "Traceback" not in quiet.stdout and "run `magi -v backends`" in quiet.stdout
+    loud = magi("-v", "backends", paths=(tmp_path,))
+    assert "Traceback (most recent call last)" in loud.stdout and 'fake_broken.py", line 1' in loud.stdout
+    also = magi("backends", "-v", paths=(tmp_path,))
+    assert "Traceback (most recent call last)" in also.stdout
+    broken = next(b for b in _json(magi("backends", "--json", paths=(tmp_path,)))["backends"] if b["name"] == "broken")
+    assert "ModuleNotFoundError" in broken["error_traceback"]
+
+
+# -- magi demo on the CPU: what it shows, what each column means ---------------------------------------------------
+
+def test_demo_on_the_cpu_says_what_it_shows_and_explains_its_columns() -> None:
+    run = magi("demo", "--layers", "2", "--hidden", "32", "--heads", "2", "--tokens", "8", "--steps", "1",
+               "--policies", "BASE", "--ratios", "0", "--unit-compiler", "eager", "--no-progress")
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    intro = out.index("this run shows correctness, not speed")
+    header = next(line for line in out.splitlines() if line.startswith("run "))
+    assert intro < out.index(header)  # said up front
+    for always_empty in ("peak dev MB", "copy GB/s", "err vs fp32"):  # host cannot measure / float32 model
+        assert always_empty not in header
+    legend = out[out.index("columns:"):]
+    for column in ("run", "compiler", "step ms", "planned ms", "streamed MB/step", "err vs resident"):
+        assert column in header and legend.count(f"  {column} ") == 1, column  # each explained once
+    assert "PASSED" in out and "not meaningful there" not in out

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from helpers.fake_backends import Run, backend_source, python_env, write_dist
 
 from magi_core.plugin.cpu import registered_ranges
 from magi_core.testing.conformance import *  # noqa: F403
@@ -19,3 +27,91 @@ def _no_leaked_ranges():
     before = registered_ranges()
     yield
     assert registered_ranges() == before, "a conformance check left a host range registered"
+
+
+# -- the kit's own behaviour: a broken backend reported once, ids naming the module, failures naming the hook -------
+
+KIT = ["-m", "pytest", "-p", "magi", "--pyargs", "magi_core.testing.conformance", "-p", "no:cacheprovider",
+       "-o", "addopts=", "-q"]
+
+
+def _kit(tmp_path: Path, backend: str, *extra: str) -> Run:
+    """Run the kit against ``backend`` from ``tmp_path`` (outside the rootdir, as a backend author would)."""
+    argv = [*KIT, f"--magi-backend={backend}", "--rootdir", str(tmp_path), *extra]
+    env = python_env([tmp_path / "site"])
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600, stdin=subprocess.DEVNULL)
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def _kit_tests() -> list[str]:
+    from magi_core.testing import conformance
+
+    return [n for n in conformance.__all__ if n.startswith("test_")]
+
+
+def test_a_backend_that_cannot_be_selected_is_reported_once(tmp_path: Path) -> None:
+    write_dist(tmp_path / "site", "magi-backend-broken", {"fake_broken": "import no_such_module_xyz\n"},
+               {"broken": "fake_broken"})
+    run = _kit(tmp_path, "broken")
+    assert run.returncode != 0
+    out = run.stdout
+    assert out.count("could not be selected, so no conformance check can run") == 1, out
+    assert "no_such_module_xyz" in out and "magi backends --check" in out
+    assert "1 error" in out and f"{len(_kit_tests()) - 1} skipped" in out, out.splitlines()[-1]
+    first = re.search(r"^ERROR (\S+)", out, re.M)
+    assert first and first.group(1).startswith("magi_core.testing.conformance::test_")
+
+
+def test_kit_test_ids_name_their_module(tmp_path: Path) -> None:
+    run = _kit(tmp_path, "cpu", "--collect-only")
+    ids = [line for line in run.stdout.splitlines() if "::" in line]
+    assert len(ids) == len(_kit_tests()), run.stdout
+    assert all(line.startswith("magi_core.testing.conformance::test_") for line in ids), ids
+
+
+BAD_MODULE_BACKEND = """
+from magi_core.plugin.cpu import device as _host
+
+class _Module:  # the host module, but with a Stream torch's record_stream rejects
+    def __getattr__(self, name):
+        return getattr(_host, name)
+
+class Stream:
+    def __init__(self, device=None, priority=0):
+        pass
+
+_Module.Stream = Stream
+MODULE = _Module()
+
+@hookimpl
+def magi_device_module():
+    return MODULE
+
+@hookimpl
+def magi_to_method_aliases():
+    return ("to", "to_the_moon")
+"""
+
+
+def test_kit_failures_name_the_hook_and_the_fix(tmp_path: Path) -> None:
+    source = backend_source("badmod", -20, omit=["magi_device_module", "magi_to_method_aliases"],
+                            extra=BAD_MODULE_BACKEND)
+    write_dist(tmp_path / "site", "magi-backend-badmod", {"fake_badmod": source}, {"badmod": "fake_badmod"})
+    run = _kit(tmp_path, "badmod", "-k", "device_module_api or to_method_aliases")
+    assert "2 failed" in run.stdout, run.stdout[-3000:]
+    assert "magi_device_module: " in run.stdout and "Stream is not a torch.Stream subclass" in run.stdout
+    assert "fix: derive Stream from torch.Stream" in run.stdout
+    assert "magi_to_method_aliases: torch.Tensor has no method 'to_the_moon'" in run.stdout
+
+
+def test_kit_keeps_torch_trace_records_out_of_the_output(magi_backend) -> None:
+    # torch's structured trace (tlparse input) is at DEBUG and would flood "Captured log" of a failing check
+    trace = logging.getLogger("torch.__trace")
+    if not os.environ.get("TORCH_TRACE"):
+        assert not trace.isEnabledFor(logging.DEBUG)
+    assert trace.propagate is False
+
+
+def test_kit_restores_torch_trace_logging_afterwards() -> None:
+    assert logging.getLogger("torch.__trace").level == logging.DEBUG

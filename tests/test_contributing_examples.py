@@ -15,7 +15,7 @@ import pluggy
 import pytest
 from helpers.fake_backends import select_and_list, write_dist
 
-from magi_core.plugin import REQUIRED_HOOKS, HostRegisterError, ProbeResult, spec
+from magi_core.plugin import REQUIRED_HOOKS, Capabilities, HostRegisterError, ProbeResult, spec
 from magi_core.plugin.manager import OPTIONAL_HOOKS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,6 +121,9 @@ def test_backend_example_implements_the_spec_and_reports_unavailable() -> None:
     assert isinstance(probe.priority, int) and probe.version
     assert pm.hook.magi_probe() == probe
     assert tuple(backend.magi_hookspec_versions()) == (spec.HOOKSPEC_VERSION.split(".")[0],)
+    # spec 1.1: the example declares the safe capabilities explicitly, with a reason a user can act on
+    caps = backend.magi_capabilities()
+    assert isinstance(caps, Capabilities) and not caps.inductor and not caps.direct_unit_calls and caps.reason
     # the range table refuses bad input before it reaches the (absent) vendor runtime
     with pytest.raises(HostRegisterError, match="invalid range"):
         backend.magi_host_register(ptr=0, nbytes=4096)
@@ -137,6 +140,7 @@ def test_backend_example_loads_through_its_entry_point(tmp_path: Path) -> None:
     rec = out["backends"][name]
     assert rec["load_error"] is None and rec["probe_error"] is None
     assert rec["missing_required_hooks"] == [] and rec["unknown_hooks"] == []
+    assert "magi_capabilities" not in rec["missing_optional_hooks"]
     assert rec["hookspec_versions"] == ["1"]
     assert rec["available"] is False and VENDOR_EXTENSION in rec["why_unavailable"]
     assert out["selected"] == "cpu"

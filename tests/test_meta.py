@@ -272,8 +272,36 @@ def test_every_hookspec_documents_parameters_return_status_and_version(hook: str
     assert getattr(fn, f"{hookspecs.PROJECT}_spec")["firstresult"], f"{hook}: the reference says all are firstresult"
 
 
-def test_hookspec_version_is_1_0() -> None:
-    assert hookspecs.HOOKSPEC_VERSION == "1.0"
+def test_hookspec_version_is_1_1_and_1_1_only_added_the_optional_capabilities_hook() -> None:
+    assert hookspecs.HOOKSPEC_VERSION == "1.1"
+    added = {name: version_added(inspect.getdoc(fn) or "") for name, fn in hookspec_functions().items()}
+    assert {name for name, v in added.items() if v != ["1.0"]} == {"magi_capabilities"}
+    assert added["magi_capabilities"] == ["1.1"]
+    assert "magi_capabilities" not in hookspecs.REQUIRED_HOOKS  # a minor version adds optional hooks only
+    assert version_added(inspect.getdoc(hookspecs.Capabilities) or "") == ["1.1"]
+
+
+def test_capabilities_fields_are_documented_in_spec_and_reference() -> None:
+    fields = [(f.name, annotation_text(f.type)) for f in dataclasses.fields(hookspecs.Capabilities)]
+    source = inspect.getsource(hookspecs.Capabilities)
+    undocumented = [n for n, _ in fields if not re.search(rf"#:.*\n(?:\s*#:.*\n)*\s*{n}:", source)]
+    assert not undocumented, f"Capabilities fields without a '#:' comment in spec.py: {undocumented}"
+    entry = hook_reference_blocks(CONTRIBUTING.read_text(encoding="utf-8"))["magi_capabilities"]
+    returns = entry_bullets(entry)["Returns"]
+    assert documented_items(returns.items) == fields, \
+        "CONTRIBUTING.md's magi_capabilities 'Returns' bullet must list Capabilities' fields as `name` (`type`): ..."
+    assert hookspecs.Capabilities() == hookspecs.Capabilities(False, "eager", False, None)  # the safe default
+
+
+def test_device_module_contract_is_documented_attribute_by_attribute() -> None:
+    text = CONTRIBUTING.read_text(encoding="utf-8")
+    match = re.search(r"^### The device-module contract$(.*?)(?=^### |^## )", text, re.M | re.S)
+    assert match, "CONTRIBUTING.md needs a '### The device-module contract' section"
+    table = match.group(1)
+    for attr in (*hookspecs.DEVICE_MODULE_REQUIRED, *hookspecs.DEVICE_MODULE_EXPECTED):
+        assert f"`{attr}(" in table, f"the device-module contract does not document {attr}"
+    for phrase in ("torch.Stream", "enable_timing", "must not initialise the device", "`torch.cpu` does not conform"):
+        assert phrase in table, phrase
 
 
 def test_probe_result_fields_are_documented_in_spec_and_reference() -> None:
@@ -315,3 +343,118 @@ def test_reference_checker_catches_each_kind_of_drift() -> None:
     assert reference_problems("magi_range_pop", pop, optional, required=False) == []
     wrong_default = lean.replace("Required: yes.", "Required: no. Default: `(\"to\",)`.")
     assert any("Default" in p for p in reference_problems("magi_range_pop", pop, wrong_default, required=False))
+
+
+# -- packages install the right thing --------------------------------------------------------------------------
+
+BACKEND_DIRS = sorted(p.parent for p in (ROOT / "backends").glob("*/pyproject.toml"))
+#: Versions of the unrelated project that holds the name "magi-core" on PyPI (pip index versions, 2026).
+FOREIGN_MAGI_CORE = ("0.3.1", "0.4.0", "0.4.1", "0.4.2", "0.4.3", "0.4.4")
+
+
+def _pyproject(path: Path) -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((path / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_backends_require_the_magi_core_line_of_their_spec_major_only() -> None:
+    from packaging.requirements import Requirement
+
+    import magi_core
+
+    assert BACKEND_DIRS, "expected backend packages under backends/"
+    for d in BACKEND_DIRS:
+        reqs = [Requirement(r) for r in _pyproject(d)["project"]["dependencies"]]
+        core = [r for r in reqs if r.name == "magi-core"]
+        assert len(core) == 1, f"{d.name}: one magi-core requirement expected"
+        spec = core[0].specifier
+        assert str(spec) in ("<0.2,>=0.1", ">=0.1,<0.2"), f"{d.name}: magi-core{spec}, want >=0.1,<0.2"
+        assert spec.contains(magi_core.__version__), f"{d.name}: magi-core {magi_core.__version__} must satisfy it"
+        assert not any(spec.contains(v) for v in FOREIGN_MAGI_CORE), f"{d.name}: the unrelated PyPI project fits"
+    # the 0.1 line is hook-spec major 1: a new major means a new magi-core line and new backend pins
+    assert magi_core.__version__.startswith("0.1.") and hookspecs.HOOKSPEC_VERSION.split(".")[0] == "1"
+
+
+def test_readme_says_how_to_install_until_the_name_is_settled() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"^## Install$(.*?)(?=^## )", readme, re.M | re.S)
+    assert match, "README.md needs an '## Install' section"
+    text = " ".join(match.group(1).split())
+    assert "unrelated project" in text and "magi-core>=0.1,<0.2" in text and "python -m build --wheel" in text
+
+
+def test_license_is_apache_2_and_ships_with_every_package() -> None:
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    for d in (ROOT, *BACKEND_DIRS):
+        project = _pyproject(d)["project"]
+        assert project["license"] == "Apache-2.0"
+        assert project.get("license-files") == ["LICENSE"], f"{d}: license-files = ['LICENSE']"
+        assert (d / "LICENSE").read_text(encoding="utf-8") == text, f"{d}/LICENSE must be the same Apache-2.0 text"
+
+
+def _imports(source: str) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _can_build_sdists() -> str | None:
+    """Why the sdists cannot be built here without fetching anything (None when they can)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("build") is None:
+        return "needs `build` (pip install build)"
+    try:
+        major = int(importlib.metadata.version("setuptools").split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return "needs setuptools"
+    return None if major >= 77 else "needs setuptools>=77 (license-files) to build without isolation"
+
+
+@pytest.mark.skipif(_can_build_sdists() is not None, reason=str(_can_build_sdists()))
+def test_sdists_carry_only_tests_that_can_run_from_the_sdist(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist", "*.pyc")
+    sources = {"magi_core": ROOT, **{d.name: d for d in BACKEND_DIRS}}
+    members: dict[str, dict[str, bytes]] = {}
+    for name, src in sources.items():
+        work = tmp_path / "src" / name
+        work.mkdir(parents=True)
+        for entry in src.iterdir():  # copy: building writes egg-info next to the sources
+            if entry.name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "tests") or \
+                    entry.name.startswith(("magi_core", "magi_backend_")) and entry.is_dir():
+                (shutil.copytree(entry, work / entry.name, ignore=ignore) if entry.is_dir()
+                 else shutil.copy2(entry, work / entry.name))
+        out = tmp_path / "dist" / name
+        run = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o", str(out), str(work)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        (sdist,) = out.glob("*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            members[name] = {m.name.split("/", 1)[1]: (tar.extractfile(m).read() if m.isfile() else b"")
+                             for m in tar.getmembers() if "/" in m.name}
+    for name, files in members.items():
+        assert "LICENSE" in files, f"{name}: the sdist lacks LICENSE"
+        tests = {f: body for f, body in files.items() if f.startswith("tests/") and f.endswith(".py")}
+        local = {Path(f).stem for f in tests}
+        own = {"magi_core", "magi_backend_cuda", "magi_backend_musa"} & {p.split("/")[0] for p in files}
+        for f, body in tests.items():
+            missing = {m for m in _imports(body.decode()) if m not in local and m not in own and
+                       m not in ("pytest", "torch", "magi_core", "hypothesis", "importlib_metadata")
+                       and __import__("importlib").util.find_spec(m) is None}
+            assert not missing, f"{name} sdist: {f} imports {missing}, which the sdist does not carry"
+    assert not any(f.startswith("tests/") for f in members["magi_core"]), "magi-core's tests need the checkout"
+    assert not any(f.startswith("tests/") for f in members["musa"]), "the MUSA tests need the emulation in the checkout"
+    assert {"tests/test_cuda_backend.py", "tests/test_cuda_conformance.py"} <= set(members["cuda"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.fake_backends import add_backend, select_and_list, write_dist
+from helpers.fake_backends import add_backend, run_python, select_and_list, write_dist
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -214,7 +214,8 @@ def test_higher_priority_backend_is_chosen_by_probe(tmp_path: Path) -> None:
     fast = out["backends"]["fast"]
     assert fast["package"] == "magi-backend-fast" and fast["package_version"] == "0.0.1"
     assert fast["priority"] == 50 and fast["device_type"] == "fast" and fast["available"]
-    assert fast["missing_optional_hooks"] == [] and fast["hookspec_versions"] == ["1"]
+    # the fake implements every spec 1.0 hook: a 1.0 backend lacks only the 1.1 addition, and still loads
+    assert fast["missing_optional_hooks"] == ["magi_capabilities"] and fast["hookspec_versions"] == ["1"]
     assert "cpu" in out["backends"]
 
 
@@ -382,3 +383,230 @@ def test_per_step_hooks_call_the_single_implementation_directly(monkeypatch: pyt
     monkeypatch.setenv(ENV_TRACE, "1")
     assert _direct(pm.hook.magi_range_push, ("name",), through_pluggy) is through_pluggy
     assert _direct(None, ("name",), through_pluggy) is None
+
+
+# -- capabilities (spec 1.1): what "auto" compiles units with, and whether generated code is called directly --------
+
+CAPS_SCRIPT = """
+import json
+import magi_core
+from magi_core.errors import ConfigError
+b = magi_core.use_backend({name!r})
+out = {{"caps": repr(b.capabilities), "auto": b.resolve_unit_compiler("auto"),
+        "direct": b.allows_direct_unit_calls(True), "eager": b.resolve_unit_compiler("eager")}}
+try:
+    out["inductor"] = b.resolve_unit_compiler("inductor")
+except ConfigError as exc:
+    out["inductor_error"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_backend_without_capabilities_gets_eager_units_and_no_direct_calls(tmp_path: Path) -> None:
+    # a spec 1.0 backend for a device Inductor knows nothing about: never generated code, never direct calls
+    add_backend(tmp_path, "oldacc", device_type="oldacc", priority=50)
+    out = run_python(CAPS_SCRIPT.format(name="oldacc"), [tmp_path]).json()
+    assert out["auto"] == "eager" and out["eager"] == "eager" and out["direct"] is False
+    assert "inductor=False" in out["caps"] and "direct_unit_calls=False" in out["caps"]
+    err = out["inductor_error"]
+    assert "'oldacc'" in err and "unit_compiler='eager'" in err and "no code generator registered" in err
+
+
+def test_declared_capabilities_decide_auto_and_direct_calls(tmp_path: Path) -> None:
+    extra = """
+        from magi_core.plugin import Capabilities
+
+        @hookimpl
+        def magi_capabilities():
+            return Capabilities(inductor=True, default_unit_compiler="inductor", direct_unit_calls=True)
+    """
+    add_backend(tmp_path, "newacc", device_type="newacc", priority=50, extra=extra)
+    out = run_python(CAPS_SCRIPT.format(name="newacc"), [tmp_path]).json()
+    assert (out["auto"], out["inductor"], out["direct"]) == ("inductor", "inductor", True)
+
+
+def test_capabilities_of_the_wrong_type_refuse_selection(tmp_path: Path) -> None:
+    extra = "\n@hookimpl\ndef magi_capabilities():\n    return {'inductor': True}\n"
+    add_backend(tmp_path, "dictcaps", device_type="dictcaps", priority=50, extra=extra)
+    out, _ = select_and_list([tmp_path], select="magi_core.use_backend('dictcaps')")
+    assert "magi_capabilities returned dict" in out["error"] and "Capabilities(" in out["error"]
+
+
+def test_capabilities_reject_inconsistent_values() -> None:
+    from magi_core.plugin import Capabilities
+
+    assert Capabilities() == Capabilities(inductor=False, default_unit_compiler="eager", direct_unit_calls=False)
+    with pytest.raises(ValueError, match="needs inductor=True"):
+        Capabilities(default_unit_compiler="inductor")
+    with pytest.raises(ValueError, match="needs inductor=True"):
+        Capabilities(direct_unit_calls=True)
+    with pytest.raises(ValueError, match="default_unit_compiler"):
+        Capabilities(inductor=True, default_unit_compiler="tvm")
+    with pytest.raises(TypeError):
+        Capabilities(inductor=1)  # type: ignore[arg-type]
+
+
+def test_default_capabilities_follow_inductors_codegen_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor.codegen import common
+
+    from magi_core.plugin.facade import default_capabilities, inductor_registered
+
+    assert not inductor_registered("nosuchdev")
+    assert default_capabilities("nosuchdev").inductor is False
+    host = default_capabilities("cpu")  # Inductor compiles for the host, but "auto" stays eager there (as in 1.0)
+    assert host.inductor and host.default_unit_compiler == "eager" and not host.direct_unit_calls
+    # a device type whose extension registered an Inductor backend (torch_musa does; CUDA's is built in)
+    monkeypatch.setitem(common.device_codegens, "regdev", common.device_codegens["cpu"])
+    reg = default_capabilities("regdev")
+    assert reg.inductor and reg.default_unit_compiler == "inductor" and not reg.direct_unit_calls
+
+
+def test_cpu_backend_declares_inductor_and_direct_calls_but_stays_eager_for_auto(registry: Registry) -> None:
+    backend = registry.use("cpu")
+    assert backend is not None
+    assert "magi_capabilities" in registry.records()["cpu"].callers
+    caps = cpu_backend.magi_capabilities()
+    assert backend.capabilities == caps == backend.declared_capabilities
+    assert backend.resolve_unit_compiler("auto") == "eager"
+    assert backend.resolve_unit_compiler("inductor") == "inductor"
+    assert backend.allows_direct_unit_calls(True) and not backend.allows_direct_unit_calls(False)
+    with pytest.raises(magi_core.ConfigError, match="'tvm'"):
+        backend.resolve_unit_compiler("tvm")
+
+
+def _offload_units(monkeypatch: pytest.MonkeyPatch, caps: object, options: dict) -> tuple[list, bool]:
+    """Compile a small model through a CPU backend declaring ``caps``: the executor's ``direct_units`` (None: an
+    eager unit, never compiled; False: Inductor code called through its wrappers; True: called directly) and
+    whether the output is right."""
+    import dataclasses
+
+    from helpers.tracking import compile_tracked, newest
+
+    from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+    from magi_core.compile import backend as compile_backend
+
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    cpu = Registry().use("cpu")
+    assert cpu is not None
+    limited = dataclasses.replace(cpu, declared_capabilities=caps)
+    monkeypatch.setattr(compile_backend, "get_backend", lambda: limited)
+    spec = TransformerSpec(layers=2, hidden=32, heads=2)
+    model = build_transformer(spec)
+    x = example_input(spec, tokens=4)
+    torch._dynamo.reset()
+    try:
+        f = compile_tracked(model, options={"policy": "BASE", **options})
+        with torch.no_grad():
+            outs = [f(x, 1e-5) for _ in range(3)]
+            ok = bool(torch.allclose(outs[-1], model(x, 1e-5), rtol=1e-5, atol=1e-5))
+        return list(newest().executor.direct_units), ok
+    finally:
+        torch._dynamo.reset()
+
+
+def test_offload_compiles_units_as_the_backend_capabilities_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    from magi_core.plugin import Capabilities
+
+    # "auto" on a backend whose default is Inductor, direct calls asked for by the config but not allowed
+    caps = Capabilities(inductor=True, default_unit_compiler="inductor", direct_unit_calls=False)
+    units, ok = _offload_units(monkeypatch, caps, {})
+    assert ok and units and all(u is False for u in units), units  # Inductor units, wrapped calls only
+    # the safe default: eager units, generated code never called
+    units, ok = _offload_units(monkeypatch, Capabilities(), {})
+    assert ok and all(u is None for u in units), units
+
+
+def test_explicit_inductor_on_a_backend_without_inductor_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from magi_core.plugin import Capabilities
+
+    with pytest.raises(Exception) as info:  # Dynamo wraps the backend's ConfigError in BackendCompilerFailed
+        _offload_units(monkeypatch, Capabilities(reason="no code generator for this device"),
+                       {"unit_compiler": "inductor"})
+    text = str(info.value)
+    assert "unit_compiler='inductor' cannot run on backend 'cpu'" in text and "unit_compiler='eager'" in text
+    assert "no code generator for this device" in text
+
+
+def test_repr_names_the_backend_not_its_bound_callables(registry: Registry) -> None:
+    backend = registry.use("cpu")
+    text = repr(backend)
+    assert text.startswith("Backend(name='cpu', device_type='cpu'")
+    assert f"package='magi-core {magi_core.__version__}'" in text and f"version='{torch.__version__}'" in text
+    assert "hookspec=1" in text and "selected_by='explicit'" in text
+    assert "lambda" not in text and "function" not in text and "module" not in text
+
+
+# -- the CPU fallback warning names every other installed backend and why it is not used ---------------------------
+
+def test_cpu_warning_lists_each_installed_backend_and_why_not(tmp_path: Path) -> None:
+    add_backend(tmp_path, "absent", device_type="absent", priority=60, available=False,
+                reason="no absent device visible")
+    add_backend(tmp_path, "broken", device_type="broken", priority=60, probe_raises="driver exploded")
+    add_backend(tmp_path, "shy", device_type="shy", priority=-3)
+    out, run = select_and_list([tmp_path])
+    assert out["selected"] == "cpu"
+    warning = run.stderr[run.stderr.index("magi-core runs on the CPU backend"):]
+    assert "such as magi-backend-<device>" not in warning
+    lines = warning.splitlines()
+    absent = next(line for line in lines if line.strip().startswith("absent "))
+    assert "(magi-backend-absent 0.0.1): unavailable: no absent device visible" in absent
+    broken = next(line for line in lines if line.strip().startswith("broken "))
+    assert "refused: probe raised RuntimeError: driver exploded" in broken
+    shy = next(line for line in lines if line.strip().startswith("shy "))
+    assert "lower priority (-3) than 'cpu' (0)" in shy and "MAGI_BACKEND=shy" in shy
+    assert "magi backends" in warning
+
+
+# -- HostRangeTable: what its callables return -------------------------------------------------------------------
+
+def test_host_range_table_refuses_a_callable_that_returns_no_error_code(caplog: pytest.LogCaptureFixture) -> None:
+    from magi_core.plugin import HostRangeTable, HostRegisterError
+
+    table = HostRangeTable("TOY", register=lambda ptr, nbytes: None, unregister=lambda ptr: "ok")
+    with pytest.raises(HostRegisterError, match=r"register callable returned None .*must return the runtime's error"):
+        table.register(0x1000, 64)
+    assert table.ranges() == {}
+    ok = HostRangeTable("TOY", register=lambda ptr, nbytes: 0, unregister=lambda ptr: "ok")
+    ok.register(0x1000, 64)
+    with pytest.raises(HostRegisterError, match="unregister callable returned 'ok'"):
+        ok.unregister(0x1000)
+
+    def boom() -> None:
+        raise RuntimeError("clear failed")
+
+    failing = HostRangeTable("TOY", register=lambda ptr, nbytes: 2, unregister=lambda ptr: 0,
+                             error_text=lambda err: "out of memory", clear_error=boom)
+    with caplog.at_level(logging.WARNING), pytest.raises(HostRegisterError, match="out of memory") as info:
+        failing.register(0x2000, 64)  # the real error, not clear_error's
+    assert info.value.code == 2
+    assert any("clear_error() raised RuntimeError" in r.getMessage() for r in caplog.records)
+
+
+def _installed(name: str) -> bool:
+    import importlib_metadata
+
+    return any(ep.name == name for ep in importlib_metadata.entry_points(group="magi.backends"))
+
+
+@pytest.mark.skipif(not _installed("magidev"), reason="needs the example PrivateUse1 backend (examples/privateuse1)")
+def test_default_config_runs_on_a_third_party_privateuse1_device() -> None:
+    # the issue's crash: "auto" picked Inductor, which generated host code fed the device's tensors
+    out = run_python("""
+        import json, torch, magi_core
+        from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+        spec = TransformerSpec(layers=2, hidden=32, heads=2)
+        model = build_transformer(spec).eval()
+        x = example_input(spec, tokens=4)
+        with torch.no_grad():
+            ref = model(x)
+        b = magi_core.get_backend()
+        f = magi_core.offload(model)
+        with torch.no_grad():
+            y = f(x.to(b.device())).cpu()
+        ex = magi_core.handle(model).runtime.executor
+        print(json.dumps({"backend": b.name, "auto": b.resolve_unit_compiler("auto"), "direct": ex.direct_units,
+                          "err": float((y - ref).abs().max())}))
+    """, env={"MAGI_BACKEND": "magidev"}, timeout=300).json()
+    assert out["backend"] == "magidev" and out["auto"] == "eager"
+    assert all(d is None for d in out["direct"])  # eager units: no generated code at all
+    assert out["err"] < 1e-5

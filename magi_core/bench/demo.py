@@ -2,7 +2,10 @@
 
 Prints one table row per run: the compiler that produced it, step time, the plan's predicted step time, peak
 device memory, bytes streamed per step, achieved copy rate (bytes streamed / step time), and two norm-wise
-relative errors (||out - ref|| / ||ref||): against the resident run, and against a float32 reference.
+relative errors (||out - ref|| / ||ref||): against the resident run, and against a float32 reference; a legend
+under the table explains each column once. On the CPU backend the demo first says what that run shows
+(correctness of every policy, not speed) and leaves out the columns the host cannot measure (peak device memory,
+copy rate); "err vs fp32" appears only for low-precision models (a float32 model is its own reference).
 Every run gets the same device input (offloaded runs through
 :func:`~magi_core.api.compile_offloaded`), so no row pays for an input copy. Runs use Inductor's
 default settings, as a user's would.
@@ -177,9 +180,11 @@ def run_demo_with_references(
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
     emit(f"magi demo on backend {backend.name!r} ({device}): {spec.layers} layers, hidden {spec.hidden}, "
          f"{tokens} tokens, {str(spec.dtype).removeprefix('torch.')}, {spec.weight_bytes() / 1e9:.3f} GB of weights")
+    if not backend.is_accelerator:
+        emit(CPU_INTRO)
     model = build_transformer(spec)
     x = example_input(spec, tokens)
-    compiler = OffloadConfig(unit_compiler=args.unit_compiler).resolved_unit_compiler(backend.is_accelerator)
+    compiler = backend.resolve_unit_compiler(OffloadConfig(unit_compiler=args.unit_compiler).unit_compiler)
     rows: list[Row] = []
     bar = tqdm(total=2 + len(policies) * len(ratios), desc="magi demo", disable=args.no_progress, leave=False)
 
@@ -273,18 +278,54 @@ def check(rows: list[Row], refs: References, dtype: torch.dtype) -> tuple[bool, 
                 f"({refs.eager_err_fp32:.2e}): offloading costs no accuracy")
 
 
-def format_table(rows: list[Row]) -> str:
-    """The results as an aligned text table."""
-    head = ("run", "compiler", "step ms", "planned ms", "peak dev MB", "streamed MB/step", "copy GB/s",
-            "err vs resident", "err vs fp32")
-    body = [
-        (r.name, r.compiler, "-" if r.note else f"{r.step_ms:.2f}",
-         "-" if r.predicted_ms is None else f"{r.predicted_ms:.2f}",
-         "-" if r.note else f"{r.peak_bytes / 1e6:.1f}", f"{r.streamed_bytes / 1e6:.2f}",
-         "-" if r.note else f"{r.copy_gbps:.2f}", r.note or f"{r.rel_err:.2e}",
-         "-" if r.err_fp32 is None else f"{r.err_fp32:.2e}")
-        for r in rows
+#: The table's columns: header -> (cell of a row, what the column means, said once in the legend).
+COLUMNS: dict[str, tuple[Callable[[Row], str], str]] = {
+    "run": (lambda r: r.name, "resident: the whole model on the device (the baseline); POLICY r=R: offloaded with "
+                              "that policy, a fraction R of the weights kept resident on the device"),
+    "compiler": (lambda r: r.compiler, "how the units (and the resident model) were compiled: inductor or eager"),
+    "step ms": (lambda r: "-" if r.note else f"{r.step_ms:.2f}",
+                "wall time per step, averaged over the timed steps after warm-up"),
+    "planned ms": (lambda r: "-" if r.predicted_ms is None else f"{r.predicted_ms:.2f}",
+                   "the step time the plan predicted from the warm-up profile (- for resident: it has no plan)"),
+    "peak dev MB": (lambda r: "-" if r.note else f"{r.peak_bytes / 1e6:.1f}", "peak device memory of the run"),
+    "streamed MB/step": (lambda r: f"{r.streamed_bytes / 1e6:.2f}",
+                         "weight bytes copied host-to-device per step (0 when every weight is resident)"),
+    "copy GB/s": (lambda r: "-" if r.note else f"{r.copy_gbps:.2f}", "bytes streamed per step / step time"),
+    "err vs resident": (lambda r: r.note or f"{r.rel_err:.2e}",
+                        "||out - ref|| / ||ref|| against the resident run's output (the eager reference when the "
+                        "resident run was skipped)"),
+    "err vs fp32": (lambda r: "-" if r.err_fp32 is None else f"{r.err_fp32:.2e}",
+                    "the same error against a float32 run of the same weights (low-precision models only)"),
+}
+#: Columns the host cannot measure: left out on the CPU backend (no device allocator, no host-to-device link).
+DEVICE_ONLY_COLUMNS = ("peak dev MB", "copy GB/s")
+#: What the demo says first on the CPU backend.
+CPU_INTRO = (
+    "On the CPU backend this run shows correctness, not speed: every policy and residency ratio runs through the "
+    "same planning, streaming and freeing code as on an accelerator, synchronously on the host, and each offloaded "
+    "run must match the resident run. Times are host times; the host has no device memory or copy link to measure."
+)
+
+
+def table_columns(rows: list[Row], is_accelerator: bool) -> list[str]:
+    """The columns worth printing: device-only ones only on an accelerator, "err vs fp32" only when some run has it."""
+    return [
+        c for c in COLUMNS
+        if (is_accelerator or c not in DEVICE_ONLY_COLUMNS)
+        and (c != "err vs fp32" or any(r.err_fp32 is not None for r in rows))
     ]
+
+
+def legend(columns: list[str]) -> str:
+    """One line per printed column saying what it means."""
+    width = max(len(c) for c in columns)
+    return "\n".join(f"  {c.ljust(width)}  {COLUMNS[c][1]}" for c in columns)
+
+
+def format_table(rows: list[Row], columns: list[str] | None = None) -> str:
+    """The results as an aligned text table (every column of :data:`COLUMNS` unless ``columns`` names some)."""
+    head = tuple(columns if columns is not None else COLUMNS)
+    body = [tuple(COLUMNS[c][0](r) for c in head) for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
@@ -297,13 +338,13 @@ def main(args: argparse.Namespace) -> int:
     backend = get_backend()
     spec, _ = _spec(args, backend.is_accelerator)
     rows, refs = run_demo_with_references(args)
-    print(format_table(rows))
+    columns = table_columns(rows, backend.is_accelerator)
+    print(format_table(rows, columns))
+    print("columns:")
+    print(legend(columns))
     if refs.eager_err_fp32 is not None:
         print(f"reference: float32 eager on the same {str(spec.dtype).removeprefix('torch.')} weights; eager "
               f"{str(spec.dtype).removeprefix('torch.')} is {refs.eager_err_fp32:.2e} from it")
-    if not backend.is_accelerator:
-        print("note: the cpu backend runs the same code path synchronously on the host; step times, peak device "
-              "memory (reported as 0) and copy rates are not meaningful there.")
     ok, why = check(rows, refs, spec.dtype)
     print(("PASSED: " if ok else "FAILED: ") + why)
     return 0 if ok else 1

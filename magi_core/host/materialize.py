@@ -710,7 +710,7 @@ class _Materializer:
             logger.warning(
                 "rank %d: pinning the host weights shared with ranks %s made this rank a private copy of them "
                 "(%.2f GiB): the backend registers memory for writing, which breaks copy-on-write (CUDA does, with "
-                "or without cudaHostRegisterReadOnly), so every rank sharing the file now holds its own copy. To "
+                "or without its read-only flag), so every rank sharing the file now holds its own copy. To "
                 "keep one copy per node use HostOptions(shared_writes='read_only') (an in-place write to the "
                 "weights then kills the process); or pin less (MAGI_PIN_BUDGET_GB)",
                 self.rank, list(hw.arenas[0].shared_by), anon / 2**30)

@@ -8,7 +8,8 @@ Register a backend in your ``pyproject.toml``::
 and implement the hooks of :mod:`magi_core.plugin.spec` with ``@hookimpl`` in that module (the spec documents
 each hook's parameters, return value, when magi-core calls it, whether it is required, and ``versionadded``).
 Everything a backend uses is importable from here: the ``hookimpl`` marker, :class:`ProbeResult`,
-:class:`HostRangeTable` and the errors it raises. Core code reaches the selected backend through
+:class:`Capabilities` (spec 1.1), :class:`HostRangeTable` and the errors it raises. A conforming synchronous
+device module to copy or subclass is :mod:`magi_core.plugin.cpu.device`. Core code reaches the selected backend through
 :func:`magi_core.get_backend` (a typed :class:`~magi_core.plugin.facade.Backend` facade, :mod:`.facade`);
 discovery and selection live in :mod:`.manager`.
 """
@@ -19,19 +20,31 @@ import pluggy
 
 from magi_core.errors import BackendError, HostRegisterError, MagiError
 from magi_core.plugin.host_ranges import ALREADY_REGISTERED, NOT_REGISTERED, SUCCESS, HostRangeTable
-from magi_core.plugin.spec import ENTRY_POINT_GROUP, HOOKSPEC_VERSION, PROJECT, REQUIRED_HOOKS, ProbeResult
+from magi_core.plugin.spec import (
+    DEVICE_MODULE_EXPECTED,
+    DEVICE_MODULE_REQUIRED,
+    ENTRY_POINT_GROUP,
+    HOOKSPEC_VERSION,
+    PROJECT,
+    REQUIRED_HOOKS,
+    Capabilities,
+    ProbeResult,
+)
 
 #: Marks a backend's hook implementations (``@hookimpl def magi_probe() -> ProbeResult: ...``).
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 __all__ = [
     "ALREADY_REGISTERED",
+    "DEVICE_MODULE_EXPECTED",
+    "DEVICE_MODULE_REQUIRED",
     "ENTRY_POINT_GROUP",
     "HOOKSPEC_VERSION",
     "NOT_REGISTERED",
     "REQUIRED_HOOKS",
     "SUCCESS",
     "BackendError",
+    "Capabilities",
     "HostRangeTable",
     "HostRegisterError",
     "MagiError",

@@ -3,17 +3,60 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from magi_core.errors import ConfigError
+from magi_core.plugin.spec import UNIT_COMPILERS, Capabilities
+
+logger = logging.getLogger(__name__)
+
+
+def inductor_registered(device_type: str) -> bool:
+    """True when torch's Inductor has a code generator registered for ``device_type``.
+
+    Reads Inductor's registry (``torch._inductor.codegen.common``) after its own ``init_backend_registration``,
+    which registers the built-in device types and a PrivateUse1 device module's ``Scheduling`` /
+    ``PythonWrapperCodegen`` where it has them; extensions such as torch_musa register theirs. It imports Inductor's
+    code generators (a few seconds the first time) and initialises no device.
+    """
+    try:
+        from torch._inductor.codegen import common
+    except Exception as exc:  # a torch build without Inductor
+        logger.debug("torch's Inductor is not importable: %s", exc)
+        return False
+    try:
+        common.init_backend_registration()
+    except Exception as exc:  # a vendor's registration hook failing: what is registered still counts
+        logger.debug("Inductor backend registration raised %s: %s", type(exc).__name__, exc)
+    return common.get_scheduling_for_device(device_type) is not None
+
+
+def default_capabilities(device_type: str) -> Capabilities:
+    """The capabilities of a backend without ``magi_capabilities`` (written against spec 1.0).
+
+    Eager units and no direct calls, except that where Inductor has a code generator registered for the device
+    type (:func:`inductor_registered`) Inductor counts as available and "auto" picks it on an accelerator (the
+    ``"cpu"`` device type keeps eager, as before spec 1.1). Direct calls of generated code stay off: a backend
+    opts into them by declaring them.
+    """
+    if not inductor_registered(device_type):
+        return Capabilities(
+            reason=f"torch's Inductor has no code generator registered for device type {device_type!r} and the "
+            "backend does not declare one (magi_capabilities, spec 1.1)"
+        )
+    return Capabilities(inductor=True, default_unit_compiler="eager" if device_type == "cpu" else "inductor")
+
 
 @dataclass(frozen=True)
 class Backend:
-    """The active backend: device type, device module, host register/unregister, ranges, aliases."""
+    """The active backend: device type, device module, host register/unregister, ranges, aliases, capabilities."""
 
     name: str
     package: str
@@ -21,12 +64,55 @@ class Backend:
     device_type: str
     priority: int
     selected_by: str
-    device_module: ModuleType
+    device_module: ModuleType = field(repr=False)
     to_method_aliases: tuple[str, ...]
-    _register: Callable[[int, int], Any]
-    _unregister: Callable[[int], Any]
-    _range_push: Callable[[str], Any] | None
-    _range_pop: Callable[[], Any] | None
+    _register: Callable[[int, int], Any] = field(repr=False)
+    _unregister: Callable[[int], Any] = field(repr=False)
+    _range_push: Callable[[str], Any] | None = field(repr=False)
+    _range_pop: Callable[[], Any] | None = field(repr=False)
+    #: The backend package's version (``package`` is its distribution name).
+    package_version: str = "?"
+    #: The hook-spec versions the backend declared (``magi_hookspec_versions``).
+    hookspec_versions: tuple[str, ...] = ()
+    #: What ``magi_capabilities`` returned, or None when the backend does not implement it (spec 1.0).
+    declared_capabilities: Capabilities | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"Backend(name={self.name!r}, device_type={self.device_type!r}, package='{self.package} "
+            f"{self.package_version}', version={self.version!r}, hookspec={','.join(self.hookspec_versions) or '?'}, "
+            f"priority={self.priority}, selected_by={self.selected_by!r})"
+        )
+
+    @functools.cached_property
+    def capabilities(self) -> Capabilities:
+        """What the device supports for unit compilation: declared by the backend, else :func:`default_capabilities`."""
+        if self.declared_capabilities is not None:
+            return self.declared_capabilities
+        return default_capabilities(self.device_type)
+
+    def resolve_unit_compiler(self, requested: str) -> str:
+        """``OffloadConfig.unit_compiler`` for this backend: ``"inductor"`` or ``"eager"`` (raises ConfigError).
+
+        ``"auto"`` becomes the backend's default; ``"inductor"`` where the backend says Inductor cannot compile
+        for its device is refused, naming the backend and the fix, instead of generating code for another device.
+        """
+        caps = self.capabilities
+        if requested == "auto":
+            return caps.default_unit_compiler
+        if requested not in UNIT_COMPILERS:
+            raise ConfigError(f"unit_compiler must be 'auto', 'inductor' or 'eager', got {requested!r}")
+        if requested == "inductor" and not caps.inductor:
+            why = caps.reason or f"it says torch's Inductor cannot compile for device type {self.device_type!r}"
+            raise ConfigError(
+                f"unit_compiler='inductor' cannot run on backend {self.name!r} ({self.package}): {why}. Use "
+                f"unit_compiler='eager' (or 'auto', which picks {caps.default_unit_compiler!r} here)"
+            )
+        return requested
+
+    def allows_direct_unit_calls(self, requested: bool) -> bool:
+        """Whether the executor may call generated unit code directly: ``requested`` and the backend allows it."""
+        return bool(requested) and self.capabilities.direct_unit_calls
 
     @property
     def is_accelerator(self) -> bool:

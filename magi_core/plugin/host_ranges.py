@@ -23,7 +23,24 @@ NOT_REGISTERED = 713
 
 
 class HostRangeTable:
-    """The ranges one backend registered, and the register/unregister calls around its runtime."""
+    """The ranges one backend registered, and the register/unregister calls around its runtime.
+
+    ``HostRangeTable(runtime, register, unregister, error_text=None, clear_error=None)``; each callable wraps one
+    runtime call and is called only from :meth:`register` / :meth:`unregister`, under the table's lock:
+
+    * ``runtime`` (``str``): the runtime's name for messages (``"CUDA"``, ``"MUSA"``).
+    * ``register(ptr, nbytes)``: pin the range; returns the runtime's error code, ``0`` on success, anything
+      ``int()`` accepts (an int, or the binding's error enum, e.g. ``cudaError``). ``712`` (already registered)
+      counts as success. A value ``int()`` refuses (None, a string) raises
+      :class:`~magi_core.errors.HostRegisterError` saying the callable must return an error code.
+    * ``unregister(ptr)``: unpin the range that starts at ``ptr``; returns an error code like ``register``.
+      Ranges this table did not register are refused with code ``713`` before it is called.
+    * ``error_text(code)`` (optional): the runtime's text for a non-zero code, given the value ``register`` /
+      ``unregister`` returned (not its ``int``); when absent or raising, the message says "<runtime> error N".
+    * ``clear_error()`` (optional): called once after every non-zero code, to consume the runtime's pending
+      per-thread error (``cudaGetLastError``-style), which the next unrelated call would otherwise report as its
+      own; its return value is ignored and an exception from it is logged, never raised over the real error.
+    """
 
     def __init__(
         self,
@@ -41,6 +58,18 @@ class HostRangeTable:
         self._lock = threading.Lock()
         self._ranges: dict[int, int] = {}
 
+    def _code(self, err: Any, call: str) -> int:
+        """``int(err)``, or a HostRegisterError saying the ``call`` callable must return an error code."""
+        try:
+            return int(err)
+        except (TypeError, ValueError) as exc:
+            raise HostRegisterError(
+                f"{self.runtime} host {call}: the table's {call} callable returned {err!r} ({type(err).__name__}), "
+                f"not an error code; HostRangeTable's register/unregister callables must return the runtime's "
+                "error code (0 on success; an int or an enum int() accepts), e.g. `lambda ptr, nbytes: "
+                "rt.HostRegister(ptr, nbytes, 0)` without discarding its result"
+            ) from exc
+
     def _fail_text(self, err: Any) -> str:
         text = f"{self.runtime} error {int(err)}"
         if self._error_text is not None:
@@ -49,7 +78,10 @@ class HostRangeTable:
             except Exception:  # a binding without error strings: keep the number
                 pass
         if self._clear_error is not None:
-            self._clear_error()
+            try:
+                self._clear_error()
+            except Exception as exc:  # never hide the real error behind the clean-up's
+                logger.warning("%s: clear_error() raised %s: %s (ignored)", self.runtime, type(exc).__name__, exc)
         return text
 
     def register(self, ptr: int, nbytes: int) -> None:
@@ -63,7 +95,7 @@ class HostRangeTable:
             if ptr in self._ranges:
                 return
             err = self._register(ptr, nbytes)
-            code = int(err)
+            code = self._code(err, "register")
             if code == SUCCESS:
                 self._ranges[ptr] = nbytes
                 return
@@ -88,7 +120,7 @@ class HostRangeTable:
                     code=NOT_REGISTERED,
                 )
             err = self._unregister(ptr)
-            code = int(err)
+            code = self._code(err, "unregister")
             if code == SUCCESS:
                 return
             text = self._fail_text(err)

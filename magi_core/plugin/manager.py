@@ -10,8 +10,8 @@ the highest-priority available probe. Core code talks to the device through :fun
 from __future__ import annotations
 
 import logging
-import os
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,23 +20,31 @@ import importlib_metadata
 import pluggy
 import torch
 
+from magi_core._env import FALSE_WORDS, TRUE_WORDS, env_str, warn_unknown_env
 from magi_core.errors import BackendError
 from magi_core.plugin import spec as hookspecs
 from magi_core.plugin.facade import Backend
-from magi_core.plugin.spec import ENTRY_POINT_GROUP, HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
+from magi_core.plugin.spec import (
+    DEVICE_MODULE_REQUIRED,
+    ENTRY_POINT_GROUP,
+    HOOKSPEC_VERSION,
+    REQUIRED_HOOKS,
+    Capabilities,
+    ProbeResult,
+)
 
 logger = logging.getLogger(__name__)
 
 #: Environment variable naming the backend to use (beaten only by :func:`use_backend`).
 ENV_BACKEND = "MAGI_BACKEND"
-#: Environment variable that, when set to anything but ``""`` or ``"0"``, logs every hook call.
+#: Environment variable that, when set to a true word (``1``, ``true``, ``yes``, ``on``), logs every hook call.
 ENV_TRACE = "MAGI_TRACE_HOOKS"
 #: Hooks a backend may leave out; the facade then uses the documented default.
-OPTIONAL_HOOKS = ("magi_range_push", "magi_range_pop", "magi_to_method_aliases")
+OPTIONAL_HOOKS = ("magi_range_push", "magi_range_pop", "magi_to_method_aliases", "magi_capabilities")
 #: Hooks a backend may implement, required first.
 ALL_HOOKS = REQUIRED_HOOKS + OPTIONAL_HOOKS
-#: Attributes the device module must have (torch-style device module).
-DEVICE_MODULE_ATTRS = ("Stream", "Event", "current_stream", "stream", "synchronize")
+#: Attributes the device module must have (torch-style device module): selection fails without them.
+DEVICE_MODULE_ATTRS = DEVICE_MODULE_REQUIRED
 #: How a backend was selected.
 SELECTED_BY = ("explicit", "env", "probe")
 
@@ -51,13 +59,34 @@ def spec_major(version: str) -> str:
     return str(version).strip().split(".")[0]
 
 
+_trace_warned: set[str] = set()
+
+
 def tracing_enabled() -> bool:
-    """True when ``MAGI_TRACE_HOOKS`` asks for every hook call to be logged."""
-    return os.environ.get(ENV_TRACE, "").strip() not in ("", "0")
+    """True when ``MAGI_TRACE_HOOKS`` asks for every hook call to be logged.
+
+    ``1/true/yes/on`` enable it and ``0/false/no/off`` (or unset, blank) leave it off; any other value
+    enables it, with a warning (once per value) saying which words are understood.
+    """
+    raw = env_str(ENV_TRACE)
+    if raw is None or raw.lower() in FALSE_WORDS:
+        return False
+    if raw.lower() not in TRUE_WORDS and raw not in _trace_warned:
+        _trace_warned.add(raw)
+        logger.warning("%s=%r is not a boolean; tracing hook calls anyway (use %s to enable, %s to disable)",
+                       ENV_TRACE, raw, "/".join(TRUE_WORDS), "/".join(FALSE_WORDS))
+    return True
 
 
 def _describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
+
+
+def _traceback_text(exc: BaseException | None) -> str | None:
+    """The formatted traceback of ``exc`` (None when there is none), for ``magi backends -v``."""
+    if exc is None:
+        return None
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
 @dataclass
@@ -124,6 +153,36 @@ class BackendRecord:
         """The device type the probe reported, or None when the backend could not be probed."""
         return self.probe.device_type if self.probe is not None else None
 
+    @property
+    def status(self) -> str:
+        """``"refused"`` (load, hooks, spec or probe error), ``"unavailable"`` (probe says so) or ``"available"``."""
+        if self.problem is not None:
+            return "refused"
+        return "available" if self.available else "unavailable"
+
+    def lost_to(self, winner: BackendRecord | None, how: str | None) -> str | None:
+        """Why this backend is not the selected one (None when it is ``winner``), in one line.
+
+        ``"refused: <problem>"``, ``"unavailable: <reason>"``, ``"lower priority (P) than 'X' (Q)"``, or the
+        explicit choice that beat it.
+        """
+        if winner is not None and winner.name == self.name:
+            return None
+        if self.problem is not None:
+            return f"refused: {self.problem}"
+        if not self.available:
+            return f"unavailable: {self.why_unavailable}"
+        if winner is None:
+            return "available, but selection failed (see the selection error)"
+        if how == "env":
+            return f"available, but {ENV_BACKEND}={winner.name} selects {winner.name!r}"
+        if how == "explicit":
+            return f"available, but use_backend({winner.name!r}) / --backend selects {winner.name!r}"
+        mine = self.probe.priority if self.probe is not None else None
+        theirs = winner.probe.priority if winner.probe is not None else None
+        return (f"lower priority ({mine}) than {winner.name!r} ({theirs}); select it with "
+                f"{ENV_BACKEND}={self.name} or use_backend({self.name!r})")
+
     def serves(self, device_type: str) -> bool:
         """True when this backend drives ``device_type`` (by probe, or by name when it could not be probed)."""
         return self.device_type == device_type if self.probe is not None else self.name == device_type
@@ -139,8 +198,11 @@ class BackendRecord:
             ) from None
         return caller(**kwargs)
 
-    def to_dict(self, selected: bool = False) -> dict[str, Any]:
-        """A JSON-ready description of this backend (what ``magi backends --json`` prints)."""
+    def to_dict(self, selected: bool = False, lost: str | None = None) -> dict[str, Any]:
+        """A JSON-ready description of this backend (what ``magi backends --json`` prints).
+
+        ``lost`` is why it was not selected (:meth:`lost_to`), which only the caller knows.
+        """
         return {
             "name": self.name,
             "entry_point": self.entry_point,
@@ -158,6 +220,9 @@ class BackendRecord:
             "missing_optional_hooks": list(self.missing_optional),
             "unknown_hooks": list(self.unknown_hooks),
             "selected": selected,
+            "status": self.status,
+            "lost": lost,
+            "error_traceback": _traceback_text(self.load_error if self.load_error is not None else self.probe_error),
         }
 
 
@@ -274,6 +339,22 @@ def available_accelerator() -> str | None:
     return accel.type if torch.accelerator.is_available() else None
 
 
+def cpu_fallback_message(records: dict[str, BackendRecord], selected: BackendRecord) -> str:
+    """What the one-time warning says when the CPU backend is chosen by probe: each other backend and why not."""
+    others = sorted((r for r in records.values() if r.name != selected.name), key=lambda r: r.name)
+    lines = [f"magi-core runs on the CPU backend {selected.name!r}: torch reports no accelerator."]
+    if others:
+        lines.append("Installed backends not used:")
+        lines += [f"  {r.name} ({r.package} {r.package_version}): {r.lost_to(selected, 'probe')}" for r in others]
+        lines.append("Run `magi backends` for details (`magi backends --check NAME` checks one backend).")
+    else:
+        lines.append(
+            f"No other backend is installed: install the one for your device ({package_hint('<device>')}, see the "
+            "README's Install section), then run `magi backends`."
+        )
+    return "\n".join(lines)
+
+
 class Registry:
     """Discovers backends lazily, selects one, and hands out the :class:`Backend` facade."""
 
@@ -345,8 +426,10 @@ class Registry:
         with self._lock:
             records = self.records()
             wanted, how = explicit or self._explicit, "explicit"
-            if wanted is None and os.environ.get(ENV_BACKEND, "").strip():
-                wanted, how = os.environ[ENV_BACKEND].strip(), "env"
+            warn_unknown_env()  # a mistyped MAGI_* variable (e.g. MAGI_BACKNED) is named, not ignored silently
+            from_env = env_str(ENV_BACKEND)
+            if wanted is None and from_env is not None:
+                wanted, how = from_env, "env"
             if wanted is None:
                 return self._choose_by_probe(records), "probe"
             source = f"{ENV_BACKEND}={wanted}" if how == "env" else f"use_backend({wanted!r})"
@@ -437,10 +520,7 @@ class Registry:
                 if rec.device_type == "cpu" and how == "probe":
                     if not self._logged_cpu:
                         self._logged_cpu = True
-                        logger.warning(
-                            "magi-core runs on the CPU backend: torch reports no accelerator "
-                            "(install a backend package such as %s to use one)", package_hint("<device>"),
-                        )
+                        logger.warning("%s", cpu_fallback_message(self.records(), rec))
                 else:
                     logger.info("magi-core uses backend %r (%s %s, selected by %s)", rec.name, rec.package,
                                 rec.package_version, how)
@@ -453,10 +533,17 @@ class Registry:
             raw_aliases = rec.call("magi_to_method_aliases") if "magi_to_method_aliases" in rec.callers else None
             aliases = tuple(raw_aliases) if raw_aliases else ("to",)
             module = rec.call("magi_device_module")
+            capabilities = rec.call("magi_capabilities") if "magi_capabilities" in rec.callers else None
         except Exception as exc:
             raise BackendError(
                 f"backend {rec.name!r} ({rec.package}) failed while building the facade: {_describe_exception(exc)}"
             ) from exc
+        if capabilities is not None and not isinstance(capabilities, Capabilities):
+            raise BackendError(
+                f"backend {rec.name!r} ({rec.package}): magi_capabilities returned {type(capabilities).__name__}, "
+                "expected magi_core.plugin.Capabilities; return Capabilities(...) (or leave the hook out for the "
+                "safe default)"
+            )
         if "to" not in aliases:
             raise BackendError(f"backend {rec.name!r}: magi_to_method_aliases must include 'to', got {aliases}")
         missing = [a for a in DEVICE_MODULE_ATTRS if not hasattr(module, a)]
@@ -485,6 +572,9 @@ class Registry:
             _unregister=lambda ptr: unregister(ptr=ptr),
             _range_push=range_push,
             _range_pop=range_pop,
+            package_version=rec.package_version,
+            hookspec_versions=rec.spec_versions,
+            declared_capabilities=capabilities,
         )
 
     def reset(self) -> None:
@@ -528,6 +618,7 @@ __all__ = [
     "Registry",
     "Selection",
     "available_accelerator",
+    "cpu_fallback_message",
     "current_selection",
     "get_backend",
     "list_backends",

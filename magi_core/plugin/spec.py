@@ -11,7 +11,14 @@ the others once when the backend is selected.
 Compatibility policy: a new spec version only *adds* optional hooks or optional arguments; a hook
 or argument is never removed or re-typed within a major version. Each hook says in
 ``.. versionadded::`` the spec version it appeared in, and whether it is required or optional (and
-the default magi-core uses when an optional hook is absent).
+the default magi-core uses when an optional hook is absent). Spec 1.1 added :func:`magi_capabilities`
+(optional): a backend written against 1.0 keeps working and gets the safe default (eager units, no
+direct calls of generated code).
+
+The device-module contract (what :func:`magi_device_module` returns) is spelled out by
+:data:`DEVICE_MODULE_REQUIRED` (selection fails without them) and :data:`DEVICE_MODULE_EXPECTED` (magi-core
+calls them; the conformance kit and ``magi backends --check`` report each one missing);
+:mod:`magi_core.plugin.cpu.device` is a reference implementation to copy or subclass.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ if TYPE_CHECKING:
 PROJECT = "magi"
 #: The entry-point group backends register under; the entry point's name is the backend's name.
 ENTRY_POINT_GROUP = "magi.backends"
-#: Version of this hook specification (major.minor). Backends list the majors they support.
-HOOKSPEC_VERSION = "1.0"
+#: Version of this hook specification (major.minor). Backends list the majors they support. 1.1 added the
+#: optional :func:`magi_capabilities`.
+HOOKSPEC_VERSION = "1.1"
 #: Hooks a backend must implement; the rest are optional with documented defaults.
 REQUIRED_HOOKS = (
     "magi_probe",
@@ -38,6 +46,29 @@ REQUIRED_HOOKS = (
     "magi_host_register",
     "magi_host_unregister",
 )
+
+#: The values ``OffloadConfig.unit_compiler`` resolves to (``"auto"`` becomes one of them).
+UNIT_COMPILERS = ("inductor", "eager")
+
+#: Device-module attributes selection requires: a module lacking one is refused with a
+#: :class:`~magi_core.errors.BackendError` naming it. ``Stream`` must be a ``torch.Stream`` subclass (``Tensor.
+#: record_stream`` accepts nothing else) and ``Event`` must accept ``enable_timing=True``; ``magi backends --check``
+#: and the conformance kit check both.
+DEVICE_MODULE_REQUIRED = ("Stream", "Event", "current_stream", "stream", "synchronize")
+#: Further device-module attributes magi-core calls, each with what uses it. A module lacking one still selects
+#: (backends written before this list keep working) but the use named fails; the conformance kit and
+#: ``magi backends --check`` report each missing one.
+DEVICE_MODULE_EXPECTED = {
+    "current_device": "Backend.device(): the index of the device offloaded runs use",
+    "is_available": "the conformance kit (the device is usable by this process)",
+    "device_count": "the conformance kit (at least one device)",
+    "is_initialized": "the kit and `magi backends --check`: proves probing and selection did not initialise the device",
+    "memory_allocated": "the conformance kit; `magi bench` (device memory in use)",
+    "max_memory_allocated": "`magi demo` and `magi bench` (peak device memory of each run)",
+    "reset_peak_memory_stats": "`magi demo` and `magi bench` (before each run)",
+    "max_memory_reserved": "`magi bench` (peak memory the allocator reserved)",
+    "empty_cache": "`magi demo` and `magi bench` (between runs)",
+}
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
@@ -67,6 +98,51 @@ class ProbeResult:
     #: When ``available`` is False: why, in words a user can act on ("torch_musa is not installed: pip
     #: install torch_musa"). None when available.
     reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the backend's device supports, as unit compilation needs to know it, without initialising the device.
+
+    Returned by :func:`magi_capabilities`. The ``Backend`` facade resolves ``OffloadConfig.unit_compiler`` with it
+    ("auto" becomes :attr:`default_unit_compiler`; "inductor" where :attr:`inductor` is False is a
+    :class:`~magi_core.errors.ConfigError`) and passes the executor direct unit calls only where
+    :attr:`direct_unit_calls` allows them. The defaults are the safe answer for a device nothing is known about:
+    eager units, no direct calls of generated code. Inconsistent values raise ``ValueError`` when constructed.
+
+    .. versionadded:: 1.1
+    """
+
+    #: True when torch's Inductor generates code for this device type that runs on its tensors (a codegen
+    #: backend registered for it in ``torch._inductor.codegen.common``, and its compiler, e.g. Triton, installed).
+    #: False makes ``unit_compiler="inductor"`` a ConfigError naming the backend.
+    inductor: bool = False
+    #: What ``unit_compiler="auto"`` resolves to: ``"eager"`` (the module's own forward) or ``"inductor"`` (needs
+    #: ``inductor=True``).
+    default_unit_compiler: str = "eager"
+    #: True when the executor may call a unit's generated Inductor code directly, without the wrapper layers
+    #: (``OffloadConfig.direct_unit_calls``): only where that code was compiled for this device's tensors and its
+    #: call has been checked on the device. Needs ``inductor=True``.
+    direct_unit_calls: bool = False
+    #: When ``inductor`` is False: why, in words a user can act on ("Triton is not installed: pip install
+    #: triton"); shown by ``magi backends --check`` and in the ConfigError. None when Inductor is available.
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("inductor", "direct_unit_calls"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Capabilities.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.default_unit_compiler not in UNIT_COMPILERS:
+            raise ValueError(
+                f"Capabilities.default_unit_compiler must be one of {UNIT_COMPILERS}, "
+                f"got {self.default_unit_compiler!r}"
+            )
+        if not self.inductor and self.default_unit_compiler == "inductor":
+            raise ValueError("Capabilities(default_unit_compiler='inductor') needs inductor=True")
+        if not self.inductor and self.direct_unit_calls:
+            raise ValueError("Capabilities(direct_unit_calls=True) needs inductor=True (they call Inductor code)")
+        if self.reason is not None and not isinstance(self.reason, str):
+            raise TypeError(f"Capabilities.reason must be a str or None, got {self.reason!r}")
 
 
 @hookspec(firstresult=True)
@@ -111,16 +187,21 @@ def magi_device_module() -> ModuleType:
     """Return the backend's torch-style device module, as ``torch.get_device_module(device_type)`` gives it.
 
     Called once, when the backend is selected (the first :func:`magi_core.get_backend` or a
-    :func:`magi_core.use_backend`), never at discovery; it may import the vendor's torch extension. The
-    facade binds the module as ``Backend.device_module``, and core code reaches streams, events and memory
-    statistics only through it.
+    :func:`magi_core.use_backend`), and by ``magi backends --check``; never at discovery. It may import the vendor's
+    torch extension, but neither it nor selection may initialise the device (no context, stream or allocation:
+    the executor creates streams and events when a model is compiled). The facade binds the module as
+    ``Backend.device_module``, and core code reaches streams, events and memory statistics only through it.
 
-    Required. The module must have ``Stream``, ``Event``, ``current_stream``, ``stream`` (a context
-    manager) and ``synchronize``, or selection fails with a :class:`~magi_core.errors.BackendError` naming
-    the missing ones; ``Event(enable_timing=True)`` must time in milliseconds (``elapsed_time``). magi-core
-    also uses ``current_device``, ``is_available``, ``device_count``, ``memory_allocated``,
-    ``max_memory_allocated`` and ``reset_peak_memory_stats`` (the conformance kit checks them); ``magi bench``
-    also reads ``max_memory_reserved`` and, where present, ``empty_cache`` and ``get_device_name``.
+    Required. The contract (CONTRIBUTING.md, "The device-module contract", says what each attribute must do):
+    :data:`DEVICE_MODULE_REQUIRED` (``Stream``, ``Event``, ``current_stream``, ``stream``, ``synchronize``), or
+    selection fails with a :class:`~magi_core.errors.BackendError` naming the missing ones; and
+    :data:`DEVICE_MODULE_EXPECTED` (``current_device``, ``is_available``, ``device_count``, ``is_initialized``,
+    memory statistics, ``empty_cache``). ``Stream`` must be a ``torch.Stream`` subclass (``Tensor.record_stream``
+    takes nothing else) and ``Event(enable_timing=True)`` must time in milliseconds (``elapsed_time``). The
+    conformance kit and ``magi backends --check`` report every departure; ``magi bench`` also reads
+    ``get_device_name`` where present.
+    ``torch.cpu`` does not conform (no timing events, no memory statistics, its ``Stream`` is no ``torch.Stream``):
+    :mod:`magi_core.plugin.cpu.device` is a conforming synchronous module to copy or subclass.
 
     :returns: the device module (``torch.<device_type>``; for the CPU backend
         :mod:`magi_core.plugin.cpu.device`).
@@ -228,4 +309,39 @@ def magi_to_method_aliases() -> Sequence[str]:
     """
 
 
-__all__ = ["ENTRY_POINT_GROUP", "HOOKSPEC_VERSION", "PROJECT", "REQUIRED_HOOKS", "ProbeResult", "hookspec"]
+@hookspec(firstresult=True)
+def magi_capabilities() -> Capabilities:
+    """Say what the device supports for unit compilation: Inductor, the default unit compiler, direct unit calls.
+
+    Called once, when the backend is selected (with :func:`magi_device_module`), and by ``magi backends --check``;
+    never at discovery. Like the probe it must not initialise the device: decide from what is installed (the
+    vendor extension's Inductor backend, ``importlib.util.find_spec("triton")``), not from the device itself.
+    The facade keeps the result as ``Backend.capabilities``: ``unit_compiler="auto"`` resolves to
+    ``default_unit_compiler``; an explicit ``"inductor"`` where ``inductor`` is False raises a ConfigError naming
+    the backend and the fix (``unit_compiler="eager"``); the executor calls generated unit code directly only
+    when ``direct_unit_calls`` is True *and* ``OffloadConfig.direct_unit_calls`` asks for it.
+
+    Optional; default: ``Capabilities()`` (eager units, no direct calls), except that where torch's Inductor
+    has a code generator registered for the backend's device type (``torch._inductor.codegen.common``: built in
+    for CUDA, registered by extensions such as torch_musa) Inductor counts as available, and "auto" picks it on
+    accelerators (never on the ``"cpu"`` device type); direct calls stay off. A result that is not a
+    :class:`Capabilities` makes selection fail with a :class:`~magi_core.errors.BackendError`.
+
+    :returns: a :class:`Capabilities`.
+
+    .. versionadded:: 1.1
+    """
+
+
+__all__ = [
+    "DEVICE_MODULE_EXPECTED",
+    "DEVICE_MODULE_REQUIRED",
+    "ENTRY_POINT_GROUP",
+    "HOOKSPEC_VERSION",
+    "PROJECT",
+    "REQUIRED_HOOKS",
+    "UNIT_COMPILERS",
+    "Capabilities",
+    "ProbeResult",
+    "hookspec",
+]

@@ -7,7 +7,9 @@ Run it against an installed backend::
 or from a backend's own tests with ``from magi_core.testing.conformance import *`` (override the
 ``magi_backend_name`` fixture there to pin the backend). Checks that need tensors on the device
 are skipped, with the reason, when the device cannot allocate them (an emulated device without
-kernels); checks that need a real accelerator are marked ``accelerator``.
+kernels); checks that need a real accelerator are marked ``accelerator``. Every failure message starts
+with the hook it concerns and says what to change; a backend that cannot be selected is reported once
+(see :mod:`magi_core.testing.plugin`).
 """
 
 from __future__ import annotations
@@ -16,25 +18,45 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from magi_core.errors import HostRegisterError
+from magi_core.errors import ConfigError, HostRegisterError
+from magi_core.plugin.check import check_device_module
 from magi_core.plugin.facade import Backend
 from magi_core.plugin.manager import BackendRecord
-from magi_core.plugin.spec import HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
+from magi_core.plugin.spec import (
+    DEVICE_MODULE_EXPECTED,
+    DEVICE_MODULE_REQUIRED,
+    HOOKSPEC_VERSION,
+    REQUIRED_HOOKS,
+    UNIT_COMPILERS,
+    Capabilities,
+    ProbeResult,
+)
 from magi_core.testing.capabilities import allocation_problem
 
-#: Attributes a torch-style device module must offer.
-DEVICE_MODULE_API = (
-    "Stream", "Event", "current_stream", "stream", "synchronize", "is_available", "device_count",
-    "current_device", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
-)
+#: Attributes a torch-style device module must offer (the device-module contract).
+DEVICE_MODULE_API = (*DEVICE_MODULE_REQUIRED, *DEVICE_MODULE_EXPECTED)
 
 
 def _host_tensor(n: int = 4096, seed: float = 0.0) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32) + seed
+
+
+def _must_refuse(hook: str, case: str, call: Callable[[], object]) -> None:
+    """Fail naming ``hook`` unless ``call()`` raises HostRegisterError."""
+    try:
+        call()
+    except HostRegisterError:
+        return
+    except Exception as exc:
+        pytest.fail(f"{hook}: {case} raised {type(exc).__name__}: {exc}; raise magi_core.plugin.HostRegisterError "
+                    "(magi_core.plugin.HostRangeTable does)", pytrace=False)
+    pytest.fail(f"{hook}: {case} returned without raising; raise magi_core.plugin.HostRegisterError "
+                "(magi_core.plugin.HostRangeTable does)", pytrace=False)
 
 
 def test_probe_in_fresh_process_does_not_initialise_device(magi_backend: Backend) -> None:
@@ -43,54 +65,88 @@ def test_probe_in_fresh_process_does_not_initialise_device(magi_backend: Backend
         [sys.executable, "-m", "magi_core.testing.probe_check", magi_backend.name],
         capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, f"probe check failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"magi_probe: probing and selecting {magi_backend.name!r} in a fresh interpreter failed; make the probe and "
+        f"magi_device_module work in a new process:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    )
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["name"] == magi_backend.name
-    assert report["probe_error"] is None
-    assert report["available"] is True
-    assert report["initialised_after_probe"] in (False, None), "probing or selection initialised the device"
+    assert report["probe_error"] is None, f"magi_probe: raised {report['probe_error']}; return a ProbeResult instead"
+    assert report["available"] is True, "magi_probe: unavailable in a fresh process; it must not depend on state"
+    assert report["initialised_after_probe"] in (False, None), (
+        "magi_probe / magi_device_module: the device is initialised after probing and selecting; count devices "
+        "without creating a context and defer runtime set-up to the first stream or allocation"
+    )
     if report["fork"] is not None:
-        assert report["fork"] == "ok" or report["fork"].startswith("no-alloc"), report["fork"]
+        assert report["fork"] == "ok" or report["fork"].startswith("no-alloc"), (
+            f"magi_probe: a child forked after probing cannot use the device ({report['fork']}); the probe or "
+            "selection initialised the runtime"
+        )
 
 
 def test_probe_result_is_well_formed(magi_backend: Backend, magi_backend_record: BackendRecord) -> None:
     """The probe reports this backend available with a device type, an int priority and a version."""
     probe = magi_backend_record.probe
-    assert isinstance(probe, ProbeResult)
-    assert magi_backend_record.probe_error is None
-    assert probe.available
+    assert magi_backend_record.probe_error is None, f"magi_probe: raised {magi_backend_record.probe_error!r}"
+    assert isinstance(probe, ProbeResult), "magi_probe: return magi_core.plugin.ProbeResult(...)"
+    assert probe.available, f"magi_probe: reports unavailable ({probe.reason}); the kit needs the device present"
     assert probe.device_type == magi_backend.device_type
-    assert isinstance(probe.priority, int)
-    assert isinstance(probe.version, str) and probe.version
-    assert torch.device(probe.device_type).type == probe.device_type
+    assert isinstance(probe.priority, int), f"magi_probe: priority must be an int, got {probe.priority!r}"
+    assert isinstance(probe.version, str) and probe.version, \
+        f"magi_probe: version must be a non-empty str ('none' when there is nothing to report), got {probe.version!r}"
+    assert torch.device(probe.device_type).type == probe.device_type, \
+        f"magi_probe: device_type {probe.device_type!r} is not a torch device type string"
 
 
 def test_required_hooks_present(magi_backend_record: BackendRecord) -> None:
     """Every required hook is implemented."""
-    assert magi_backend_record.missing_required == ()
+    assert magi_backend_record.missing_required == (), \
+        f"{', '.join(magi_backend_record.missing_required)}: required, implement with @magi_core.plugin.hookimpl"
     for hook in REQUIRED_HOOKS:
-        assert hook in magi_backend_record.callers, f"{hook} missing"
+        assert hook in magi_backend_record.callers, f"{hook}: missing; implement it with @magi_core.plugin.hookimpl"
 
 
 def test_hookspec_version_compatible(magi_backend_record: BackendRecord) -> None:
     """The backend supports this magi-core's hook-spec major version."""
     major = HOOKSPEC_VERSION.split(".")[0]
-    assert major in {str(v).split(".")[0] for v in magi_backend_record.spec_versions}
-    assert magi_backend_record.problem is None
+    assert major in {str(v).split(".")[0] for v in magi_backend_record.spec_versions}, (
+        f"magi_hookspec_versions: returns {magi_backend_record.spec_versions}, magi-core publishes spec "
+        f"{HOOKSPEC_VERSION}; return ({major!r},)"
+    )
+    assert magi_backend_record.problem is None, magi_backend_record.problem
 
 
 def test_device_module_api(magi_backend: Backend) -> None:
-    """The device module is torch-style and reports at least one device."""
+    """The device module keeps the contract (attributes, torch.Stream streams, timing events) and sees a device."""
     module = magi_backend.device_module
-    missing = [a for a in DEVICE_MODULE_API if not hasattr(module, a)]
-    assert not missing, f"device module lacks {missing}"
-    assert module.is_available()
-    assert int(module.device_count()) >= 1
+    problems = check_device_module(module)
+    assert not problems, "\n".join(str(p) for p in problems)
+    assert module.is_available(), "magi_device_module: is_available() is False on a machine the probe accepted"
+    assert int(module.device_count()) >= 1, "magi_device_module: device_count() must be >= 1 where available"
     device = magi_backend.device()
     assert device.type == magi_backend.device_type
-    assert int(module.memory_allocated()) >= 0
+    assert int(module.memory_allocated()) >= 0, "magi_device_module: memory_allocated() must return bytes (>= 0)"
     module.reset_peak_memory_stats()
-    assert int(module.max_memory_allocated()) >= 0
+    assert int(module.max_memory_allocated()) >= 0, "magi_device_module: max_memory_allocated() must return bytes"
+
+
+def test_capabilities(magi_backend: Backend, magi_backend_record: BackendRecord) -> None:
+    """magi_capabilities (when implemented) returns a Capabilities; the facade resolves the unit compiler with it."""
+    if "magi_capabilities" in magi_backend_record.callers:
+        caps = magi_backend_record.call("magi_capabilities")
+        assert isinstance(caps, Capabilities), (
+            f"magi_capabilities: returned {type(caps).__name__}; return magi_core.plugin.Capabilities(...) (or leave "
+            "the hook out for the safe default: eager units, no direct calls)"
+        )
+        assert caps == magi_backend.capabilities
+    caps = magi_backend.capabilities
+    assert magi_backend.resolve_unit_compiler("auto") == caps.default_unit_compiler in UNIT_COMPILERS
+    assert magi_backend.resolve_unit_compiler("eager") == "eager"
+    assert magi_backend.allows_direct_unit_calls(True) == caps.direct_unit_calls
+    assert magi_backend.allows_direct_unit_calls(False) is False
+    if not caps.inductor:
+        with pytest.raises(ConfigError, match="unit_compiler='eager'"):
+            magi_backend.resolve_unit_compiler("inductor")
 
 
 def test_host_register_round_trip(magi_backend: Backend) -> None:
@@ -99,32 +155,28 @@ def test_host_register_round_trip(magi_backend: Backend) -> None:
     ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     magi_backend.host_register(ptr, nbytes)
     try:
-        magi_backend.host_register(ptr, nbytes)  # already registered counts as success
-        assert torch.equal(t, _host_tensor()), "registering changed the data"
+        magi_backend.host_register(ptr, nbytes)  # already registered counts as success (712 on CUDA and MUSA)
+        assert torch.equal(t, _host_tensor()), "magi_host_register: registering changed the data; pin in place"
         if allocation_problem(magi_backend) is None:
             dev = t.to(magi_backend.device(), non_blocking=True)
             magi_backend.device_module.synchronize()
             assert torch.equal(dev.cpu(), t)
     finally:
         magi_backend.host_unregister(ptr)
-    with pytest.raises(HostRegisterError):
-        magi_backend.host_unregister(ptr)
+    _must_refuse("magi_host_unregister", "unregistering a range twice", lambda: magi_backend.host_unregister(ptr))
 
 
 def test_unregister_unknown_range_raises(magi_backend: Backend) -> None:
     """Unregistering a range that was never registered raises HostRegisterError."""
     t = _host_tensor(64)
-    with pytest.raises(HostRegisterError):
-        magi_backend.host_unregister(t.data_ptr())
+    _must_refuse("magi_host_unregister", "a range never registered", lambda: magi_backend.host_unregister(t.data_ptr()))
 
 
 def test_register_invalid_range_raises(magi_backend: Backend) -> None:
     """A null pointer or an empty range is refused with HostRegisterError."""
-    with pytest.raises(HostRegisterError):
-        magi_backend.host_register(0, 4096)
+    _must_refuse("magi_host_register", "ptr=0", lambda: magi_backend.host_register(0, 4096))
     t = _host_tensor(16)
-    with pytest.raises(HostRegisterError):
-        magi_backend.host_register(t.data_ptr(), 0)
+    _must_refuse("magi_host_register", "nbytes=0", lambda: magi_backend.host_register(t.data_ptr(), 0))
 
 
 def test_streams_and_events_order_work(magi_backend: Backend) -> None:
@@ -132,15 +184,17 @@ def test_streams_and_events_order_work(magi_backend: Backend) -> None:
     module = magi_backend.device_module
     side = module.Stream()
     with module.stream(side):
-        assert module.current_stream() == side
-    assert module.current_stream() != side
+        assert module.current_stream() == side, \
+            "magi_device_module: current_stream() inside `with stream(s):` must be s (a stream equal only to itself)"
+    assert module.current_stream() != side, \
+        "magi_device_module: after `with stream(s):` the previous stream must be current again"
     problem = allocation_problem(magi_backend)
     if problem is not None:
         event = module.Event()
         event.record(side)
         module.current_stream().wait_event(event)
         event.synchronize()
-        assert event.query()
+        assert event.query(), "magi_device_module: Event.query() must be True after Event.synchronize()"
         pytest.skip(f"stream/event API exercised; tensor part skipped: {problem}")
     device = magi_backend.device()
     src = _host_tensor(1 << 20, seed=1.0)
@@ -157,8 +211,11 @@ def test_streams_and_events_order_work(magi_backend: Backend) -> None:
         magi_backend.record_stream(dst, side)
         out = dst * 2
         module.synchronize()
-        assert done.query()
-        assert torch.equal(out.cpu(), src * 2)
+        assert done.query(), "magi_device_module: Event.query() must be True after synchronize()"
+        assert torch.equal(out.cpu(), src * 2), (
+            "magi_device_module: a copy on a side stream, ordered by an event, gave wrong data; check "
+            "Stream.wait_event, Event.record and stream()"
+        )
     finally:
         magi_backend.host_unregister(ptr)
 
@@ -175,7 +232,10 @@ def test_event_elapsed_time(magi_backend: Backend) -> None:
     end.record()
     end.synchronize()
     ms = start.elapsed_time(end)
-    assert isinstance(ms, float) and math.isfinite(ms) and ms >= 0.0
+    assert isinstance(ms, float) and math.isfinite(ms) and ms >= 0.0, (
+        f"magi_device_module: Event(enable_timing=True).elapsed_time() returned {ms!r}; return the milliseconds "
+        "between the two records as a float"
+    )
 
 
 def test_ranges_balance(magi_backend: Backend) -> None:
@@ -213,7 +273,8 @@ def test_ranges_inside_compiled_function(magi_backend: Backend) -> None:
     torch._dynamo.reset()
     try:
         compiled = torch.compile(fn, backend="eager", fullgraph=True)
-        assert torch.equal(compiled(x).cpu(), (x * 2 + 1).cpu())
+        assert torch.equal(compiled(x).cpu(), (x * 2 + 1).cpu()), \
+            "magi_range_push / magi_range_pop: a compiled function with ranges computed a wrong result"
     finally:
         torch._dynamo.reset()
 
@@ -221,11 +282,12 @@ def test_ranges_inside_compiled_function(magi_backend: Backend) -> None:
 def test_to_method_aliases(magi_backend: Backend) -> None:
     """The aliases include "to" and every alias is a real Tensor method."""
     aliases = magi_backend.to_method_aliases
-    assert "to" in aliases
-    assert len(set(aliases)) == len(aliases)
+    assert "to" in aliases, f'magi_to_method_aliases: returned {aliases}; include "to"'
+    assert len(set(aliases)) == len(aliases), f"magi_to_method_aliases: {aliases} lists a name twice"
     for alias in aliases:
-        assert isinstance(alias, str) and alias.isidentifier()
-        assert callable(getattr(torch.Tensor, alias, None)), f"torch.Tensor has no method {alias!r}"
+        assert isinstance(alias, str) and alias.isidentifier(), f"magi_to_method_aliases: {alias!r} is not a name"
+        assert callable(getattr(torch.Tensor, alias, None)), \
+            f"magi_to_method_aliases: torch.Tensor has no method {alias!r}; list only names Tensor.to appears under"
 
 
 __all__ = [name for name in dir() if name.startswith("test_")]

@@ -5,13 +5,14 @@ Importing this module touches no device; every hook resolves what it needs when 
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 
 from magi_backend_cuda import ranges, runtime
-from magi_core.plugin import ProbeResult, hookimpl
+from magi_core.plugin import Capabilities, ProbeResult, hookimpl
 
 __version__ = "0.1.0"
 DEVICE_TYPE = "cuda"
@@ -50,8 +51,22 @@ def magi_probe() -> ProbeResult:
 
 @hookimpl
 def magi_hookspec_versions() -> Sequence[str]:
-    """Spec major 1."""
+    """Spec major 1 (implements 1.1: ``magi_capabilities``)."""
     return ("1",)
+
+
+@hookimpl
+def magi_capabilities() -> Capabilities:
+    """Inductor units (Triton kernels for CUDA, built into torch's Inductor) called directly; eager without Triton.
+
+    Decided from what is installed (``importlib.util.find_spec("triton")``, which imports nothing): no CUDA call.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return Capabilities(
+            reason="Triton is not installed, and torch's Inductor compiles CUDA kernels with it: pip install triton "
+            "(CUDA builds of torch depend on it)"
+        )
+    return Capabilities(inductor=True, default_unit_compiler="inductor", direct_unit_calls=True)
 
 
 @hookimpl

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import subprocess
 import sys
 import textwrap
+import types
 
 import magi_backend_cuda
 import pytest
@@ -13,7 +15,7 @@ import torch
 from magi_backend_cuda import ranges, runtime
 
 from magi_core.errors import HostRegisterError
-from magi_core.plugin import host_ranges
+from magi_core.plugin import Capabilities, host_ranges
 from magi_core.plugin.manager import REGISTRY
 
 
@@ -93,6 +95,37 @@ def test_probe_refuses_when_torch_accelerator_is_another_device() -> None:
     assert "'otherdev'" in out["reason"]
 
 
+def _fake_triton() -> types.ModuleType:
+    mod = types.ModuleType("triton")
+    mod.__spec__ = importlib.machinery.ModuleSpec("triton", None)
+    return mod
+
+
+def test_capabilities_declare_inductor_and_direct_calls_where_triton_is_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Spec 1.1: Inductor units called directly ("auto" compiles them); without Triton, eager with the reason."""
+    monkeypatch.setitem(sys.modules, "triton", _fake_triton())
+    caps = magi_backend_cuda.magi_capabilities()
+    assert isinstance(caps, Capabilities)
+    assert (caps.inductor, caps.default_unit_compiler, caps.direct_unit_calls) == (True, "inductor", True)
+    monkeypatch.setitem(sys.modules, "triton", None)  # not importable
+    caps = magi_backend_cuda.magi_capabilities()
+    assert (caps.inductor, caps.default_unit_compiler, caps.direct_unit_calls) == (False, "eager", False)
+    assert caps.reason is not None and "pip install triton" in caps.reason
+
+
+def test_capabilities_do_not_initialise_cuda() -> None:
+    """Asking for the capabilities (fresh interpreter) touches no CUDA API."""
+    out = _run("""
+        import json, torch
+        import magi_backend_cuda
+        caps = magi_backend_cuda.magi_capabilities()
+        print(json.dumps({"init": torch.cuda.is_initialized(), "type": type(caps).__name__}))
+    """)
+    assert out == {"init": False, "type": "Capabilities"}
+
+
 def test_invalid_and_unknown_ranges_raise_without_touching_the_runtime() -> None:
     """Bad arguments and never-registered ranges raise HostRegisterError before any runtime call."""
     with pytest.raises(HostRegisterError):
@@ -168,3 +201,18 @@ def test_drain_reaches_the_loaded_runtime() -> None:
     """The CUDA runtime torch loaded is reachable for draining (no library is loaded anew)."""
     torch.cuda.init()
     assert runtime.drain_last_error() is True
+
+
+@pytest.mark.accelerator
+@needs_cuda
+def test_auto_compiles_units_with_inductor_and_calls_them_directly_on_cuda() -> None:
+    """On a CUDA machine (Triton ships with CUDA builds of torch) "auto" means Inductor units, called directly."""
+    from magi_core.plugin.manager import use_backend
+
+    backend = use_backend("cuda")
+    try:
+        assert backend is not None and backend.capabilities.inductor
+        assert backend.resolve_unit_compiler("auto") == "inductor"
+        assert backend.allows_direct_unit_calls(True)
+    finally:
+        use_backend(None)

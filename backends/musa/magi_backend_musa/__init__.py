@@ -5,18 +5,21 @@ torch_musa (which renames PrivateUse1 to "musa" and installs ``torch.musa``) and
 resolves what it needs when called. The CUDA runtime is never used, even where libcudart or an
 adapter such as torchada is present. Profiling ranges are ``torch.profiler.record_function``
 spans (MUSA has no NVTX). ``Tensor.to`` can appear as ``orig_to`` in traced graphs because
-torch_musa wraps it, hence the aliases ``("to", "orig_to")``.
+torch_musa wraps it, hence the aliases ``("to", "orig_to")``. Units are compiled with Inductor only where
+torch_musa ships its Inductor backend and Triton for MUSA is installed (:func:`magi_capabilities`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 
 from magi_backend_musa import ranges, runtime
-from magi_core.plugin import BackendError, ProbeResult, hookimpl
+from magi_core.plugin import BackendError, Capabilities, ProbeResult, hookimpl
 
 __version__ = "0.1.0"
 DEVICE_TYPE = "musa"
@@ -46,8 +49,50 @@ def magi_probe() -> ProbeResult:
 
 @hookimpl
 def magi_hookspec_versions() -> Sequence[str]:
-    """Spec major 1."""
+    """Spec major 1 (implements 1.1: ``magi_capabilities``)."""
     return ("1",)
+
+
+def _has_module(name: str) -> bool:
+    """True when ``name`` is importable, decided without importing it (False when its parent cannot be found)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _inductor_registered() -> bool:
+    """True when torch's Inductor already has a code generator for "musa" (read only where Inductor is imported)."""
+    common = sys.modules.get("torch._inductor.codegen.common")
+    get = getattr(common, "get_scheduling_for_device", None)
+    return callable(get) and get(DEVICE_TYPE) is not None
+
+
+@hookimpl
+def magi_capabilities() -> Capabilities:
+    """Inductor units where torch_musa ships its Inductor backend and Triton for MUSA is installed; else eager.
+
+    torch_musa registers its Inductor backend ("musa": ``MUSATritonScheduling``) lazily, from its patched
+    ``init_backend_registration``; the check looks for that backend (``torch_musa._init_inductor_backend_registration``
+    or the ``torch_musa._inductor`` package) and for Triton (``importlib.util.find_spec("triton")``) without
+    importing Triton or calling the MUSA runtime, so nothing initialises the device. Direct unit calls stay off:
+    calling torch_musa's generated code without its wrappers has not been verified on MUSA hardware.
+    """
+    try:
+        import torch_musa
+    except ImportError:
+        return Capabilities(reason="torch_musa is not installed: pip install torch_musa")
+    version = str(getattr(torch_musa, "__version__", "unknown"))
+    ships_inductor = callable(getattr(torch_musa, "_init_inductor_backend_registration", None)) or _has_module(
+        "torch_musa._inductor"
+    )
+    if not (ships_inductor or _inductor_registered()):
+        return Capabilities(reason=f"torch_musa {version} has no Inductor backend (torch_musa._inductor); upgrade "
+                                   "torch_musa for Inductor units, or use unit_compiler='eager'")
+    if not _has_module("triton"):
+        return Capabilities(reason=f"Triton for MUSA is not installed (torch_musa {version}'s Inductor backend "
+                                   "generates Triton kernels): install the triton build that matches torch_musa")
+    return Capabilities(inductor=True, default_unit_compiler="inductor", direct_unit_calls=False)
 
 
 @hookimpl

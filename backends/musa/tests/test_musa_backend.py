@@ -254,3 +254,55 @@ def test_conformance_kit_passes_emulated() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+# -- capabilities (spec 1.1): Inductor only where torch_musa ships its Inductor backend and Triton is installed ------
+
+def _module(name: str, **attrs: object) -> object:
+    import importlib.machinery
+    import types
+
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for key, value in attrs.items():
+        setattr(mod, key, value)
+    return mod
+
+
+def test_capabilities_follow_torch_musas_inductor_backend_and_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor units only with torch_musa's Inductor backend and Triton; never direct calls (unverified on MUSA)."""
+    from magi_core.plugin import Capabilities
+
+    with_inductor = _module("torch_musa", __version__="2.7.1", _init_inductor_backend_registration=lambda: None)
+    monkeypatch.setitem(sys.modules, "torch_musa", with_inductor)
+    monkeypatch.setitem(sys.modules, "triton", _module("triton"))
+    caps = magi_backend_musa.magi_capabilities()
+    assert caps == Capabilities(inductor=True, default_unit_compiler="inductor", direct_unit_calls=False)
+    monkeypatch.setitem(sys.modules, "triton", None)  # Triton for MUSA not installed
+    caps = magi_backend_musa.magi_capabilities()
+    assert not caps.inductor and caps.default_unit_compiler == "eager" and "Triton for MUSA" in (caps.reason or "")
+    monkeypatch.setitem(sys.modules, "torch_musa", _module("torch_musa", __version__="2.0.0"))  # no _inductor
+    caps = magi_backend_musa.magi_capabilities()
+    assert not caps.inductor and "has no Inductor backend" in (caps.reason or "")
+    monkeypatch.setitem(sys.modules, "torch_musa", None)
+    assert "torch_musa is not installed" in (magi_backend_musa.magi_capabilities().reason or "")
+
+
+def test_emulated_torch_musa_gets_eager_units_without_initialising_the_device() -> None:
+    """Emulated (no Inductor backend in the emulation): "auto" is eager, "inductor" a clear error; no device init."""
+    proc = run_emulated("""
+        import json, torch
+        from magi_core.errors import ConfigError
+        from magi_core.plugin.manager import get_backend
+        b = get_backend()
+        out = {"name": b.name, "auto": b.resolve_unit_compiler("auto"), "direct": b.allows_direct_unit_calls(True),
+               "init": torch.musa.is_initialized()}
+        try:
+            b.resolve_unit_compiler("inductor")
+        except ConfigError as exc:
+            out["error"] = str(exc)
+        print(json.dumps(out))
+    """)
+    out = _json_out(proc)
+    assert (out["name"], out["auto"], out["direct"], out["init"]) == ("musa", "eager", False, False)
+    assert "backend 'musa'" in out["error"] and "unit_compiler='eager'" in out["error"]

@@ -1,4 +1,9 @@
-"""The CPU reference backend, registered through the ``magi.backends`` entry point like any other."""
+"""The CPU reference backend, registered through the ``magi.backends`` entry point like any other.
+
+Its device module, :mod:`magi_core.plugin.cpu.device`, is the reference implementation of the device-module
+contract (synchronous streams that are ``torch.Stream`` objects, timed events, memory statistics): copy it or
+subclass its classes when writing a backend.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from magi_core.plugin import SUCCESS, HostRangeTable, ProbeResult, hookimpl
+from magi_core.plugin import SUCCESS, Capabilities, HostRangeTable, ProbeResult, hookimpl
 from magi_core.plugin.cpu import device as cpu_device
 
 #: Host memory needs no pinning for host compute: the table checks ranges and keeps the bookkeeping.
@@ -42,6 +47,13 @@ def magi_host_register(ptr: int, nbytes: int) -> None:
 def magi_host_unregister(ptr: int) -> None:
     """Forget a registered range; an unknown one raises (713, "not registered")."""
     _TABLE.unregister(ptr)
+
+
+@hookimpl
+def magi_capabilities() -> Capabilities:
+    """Inductor compiles for the host, but "auto" stays eager (compiling costs more than it saves on small host
+    runs); units compiled with ``unit_compiler="inductor"`` may be called directly (host code, host tensors)."""
+    return Capabilities(inductor=True, default_unit_compiler="eager", direct_unit_calls=True)
 
 
 @hookimpl

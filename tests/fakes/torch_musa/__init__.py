@@ -129,13 +129,20 @@ class Event:
         return (end_event._t - self._t) * 1e3
 
 
-class Stream:
-    """Emulated musa Stream."""
+_stream_ids = iter(range(1, 1 << 62))
 
-    def __init__(self, device: Any = None, priority: int = 0) -> None:
+
+class Stream(torch.Stream):
+    """Emulated musa Stream: a ``torch.Stream`` of device type musa, as torch_musa's ``_MusaStreamBase`` is."""
+
+    def __new__(cls, device: Any = None, priority: int = 0) -> Stream:
         _lazy_init()
         index = _current_device if device is None else torch.device(device).index
-        self.device = torch.device("musa", index if index is not None else _current_device)
+        index = index if index is not None else _current_device
+        return super().__new__(cls, stream_id=next(_stream_ids), device_index=index,
+                               device_type=int(torch._C._autograd.DeviceType.PrivateUse1))
+
+    def __init__(self, device: Any = None, priority: int = 0) -> None:
         self.priority = priority
 
     def wait_event(self, event: Event) -> None:

@@ -1,0 +1,134 @@
+"""The magi backend for magidev: probing imports nothing, selection, host ranges, and offloaded models on the device."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import magi_backend_magidev
+import pytest
+import torch
+import torch_magidev
+from torch_magidev import checker
+
+from magi_core.errors import HostRegisterError
+from magi_core.plugin.manager import REGISTRY, use_backend
+
+
+def _fresh(code: str, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def backend():
+    b = use_backend("magidev")
+    checker.clear()
+    try:
+        yield b
+    finally:
+        use_backend(None)
+
+
+def test_probe_imports_nothing_and_never_renames():
+    out = _fresh("""
+        import json, sys, torch
+        from magi_core.plugin.manager import REGISTRY
+        rec = REGISTRY.records()["magidev"]
+        print(json.dumps({"available": rec.available, "priority": rec.probe.priority,
+                          "imported": "torch_magidev" in sys.modules,
+                          "name": torch._C._get_privateuse1_backend_name()}))
+    """)
+    assert out == {"available": True, "priority": -5, "imported": False, "name": "privateuseone"}
+
+
+def test_probe_reports_no_device_and_cpu_stays_the_automatic_choice():
+    out = _fresh("""
+        import json
+        from magi_core.plugin.manager import REGISTRY, get_backend
+        rec = REGISTRY.records()["magidev"]
+        print(json.dumps({"available": rec.available, "reason": rec.why_unavailable, "auto": get_backend().name}))
+    """, MAGIDEV_DEVICE_COUNT="0", MAGI_BACKEND="")
+    assert out["available"] is False and "MAGIDEV_DEVICE_COUNT=0" in out["reason"] and out["auto"] == "cpu"
+
+
+def test_selection_binds_torch_magidev(backend):
+    assert backend.name == "magidev" and backend.device_type == "magidev" and backend.is_accelerator
+    assert backend.device_module is torch_magidev is torch.magidev
+    assert backend.device() == torch.device("magidev", 0)
+    assert backend.to_method_aliases == ("to",)
+    missing = REGISTRY.records()["magidev"].missing_optional
+    assert not {"magi_range_push", "magi_range_pop", "magi_to_method_aliases"} & set(missing)
+
+
+def test_host_register_round_trip_uses_the_runtime_table(backend):
+    buf = torch.empty(1 << 16, dtype=torch.uint8)
+    ptr = buf.data_ptr()
+    before = magi_backend_magidev.registered_ranges()
+    backend.host_register(ptr, buf.numel())
+    backend.host_register(ptr, buf.numel())  # already registered: success
+    assert torch_magidev.runtime().registered_ranges()[ptr] == buf.numel()
+    assert magi_backend_magidev.registered_ranges()[ptr] == buf.numel()
+    backend.host_unregister(ptr)
+    assert magi_backend_magidev.registered_ranges() == before
+    with pytest.raises(HostRegisterError) as info:
+        backend.host_unregister(ptr)
+    assert info.value.code == 713
+    with pytest.raises(HostRegisterError):
+        backend.host_register(0, 16)
+
+
+def test_ranges_are_profiler_spans(backend):
+    with torch.profiler.profile() as prof:
+        with backend.range("magidev-outer"):
+            backend.range_push("magidev-inner")
+            backend.range_pop()
+    names = {e.name for e in prof.events()}
+    assert {"magidev-outer", "magidev-inner"} <= names
+
+
+def test_offloaded_model_runs_on_the_device_sees_weight_edits_and_frees(backend, tmp_path, monkeypatch):
+    import magi_core
+    from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+
+    monkeypatch.setenv("MAGI_SHM_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    gc.collect()
+    base = torch_magidev.memory_allocated()
+    spec = TransformerSpec(layers=2, hidden=32, heads=2)
+    model = build_transformer(spec).eval()
+    x = example_input(spec, tokens=6)
+    with torch.no_grad():
+        ref = model(x)
+    cfg = magi_core.OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5, unit_compiler="eager",
+                                  bandwidth_probe_bytes=1 << 20)
+    magi_core.offload(model, cfg)
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                out = model(x)
+                assert out.device == torch.device("magidev", 0)
+                torch.testing.assert_close(out.cpu(), ref)
+            assert torch_magidev.memory_allocated() > base, "resident weights live on the device"
+            for p in model.parameters():  # an in-place edit on the host: every device copy must follow
+                p.mul_(0.5)
+        model_ref = build_transformer(spec).eval()
+        model_ref.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+        with torch.no_grad():
+            ref2 = model_ref(x)
+            assert not torch.allclose(ref2, ref)
+            for _ in range(2):
+                torch.testing.assert_close(model(x).cpu(), ref2)
+    finally:
+        magi_core.release(model, restore=True)
+        torch._dynamo.reset()
+    del out
+    gc.collect()
+    assert torch_magidev.memory_allocated() == base, "release frees every device copy"
+    checker.assert_clean()
