@@ -45,7 +45,7 @@ DEFAULT_PROBE_BYTES_CPU = 16 * MIB
 #: Values of ``OffloadConfig.unit_compiler``.
 UNIT_COMPILERS = ("auto", "inductor", "eager")
 #: How streamed weights are copied: one copy per unit's arena span (a view per weight), or one per weight.
-TRANSFERS = ("span", "per_tensor")
+TRANSFERS = ("per_tensor", "span")
 
 
 class Policy(str, Enum):
@@ -95,9 +95,10 @@ class OffloadConfig:
     ``direct_unit_calls``: call each Inductor unit's generated code without the Dynamo / AOT wrapper layers
     (verified per unit on its first call, see :func:`magi_core.execute.unit_compile.direct_call`); False
     keeps the wrapped calls (``MAGI_OFFLOAD_DIRECT_UNIT_CALLS=0``).
-    ``transfer``: "span" (default: each copy batch is one copy of the arena span holding its weights, with a
-    view per weight; per-weight copies where the weights do not form a tight span) or "per_tensor" (one copy
-    per weight), see :mod:`magi_core.execute.transfer`.
+    ``transfer``: "per_tensor" (default: one copy per weight) or "span" (each copy batch is one copy of the
+    arena span holding its weights, with a view per weight; per-weight copies where the weights do not form a
+    tight span), see :mod:`magi_core.execute.transfer`. On an H200 one span copy cost the host as much as
+    the per-weight copies it replaced (the copy call's host time grows with its bytes), so "span" is opt-in.
 
     Every field can also come from ``MAGI_OFFLOAD_<FIELD>`` (e.g. ``MAGI_OFFLOAD_POLICY=base``), but only where
     the code left the default: the config records which fields were passed to the constructor
@@ -117,7 +118,7 @@ class OffloadConfig:
     max_unit_bytes: int | None = None
     bandwidth_probe_bytes: int | None = None
     direct_unit_calls: bool = True
-    transfer: str = "span"
+    transfer: str = "per_tensor"
     #: True on configs returned by :func:`resolve_config` (environment applied); set per instance, never
     #: compared, and not carried over by :meth:`replace`.
     _resolved: ClassVar[bool] = False

@@ -87,16 +87,19 @@ def test_offloaded_model_with_span_copies(shm_dir: str, monkeypatch: pytest.Monk
 def test_config_chooses_the_transfer(shm_dir: str) -> None:
     from magi_core.execute.transfer import PerTensorTransfer
 
-    torch._dynamo.reset()
-    model = build_transformer(SPEC)
-    x = example_input(SPEC, tokens=5)
-    magi_core.offload(model, magi_core.OffloadConfig(transfer="per_tensor", unit_compiler="eager"))
-    try:
-        with torch.no_grad():
-            model(x)
-        t = magi_core.handle(model).runtime.executor.transfer
-        assert type(t) is PerTensorTransfer and t.copy_calls == t.copies
-    finally:
-        magi_core.release(model)
+    for kind, cls in (("per_tensor", PerTensorTransfer), ("span", SpanTransfer)):
+        torch._dynamo.reset()
+        model = build_transformer(SPEC)
+        x = example_input(SPEC, tokens=5)
+        magi_core.offload(model, magi_core.OffloadConfig(transfer=kind, unit_compiler="eager"))
+        try:
+            with torch.no_grad():
+                model(x)
+            t = magi_core.handle(model).runtime.executor.transfer
+            assert type(t) is cls
+            assert (t.copy_calls == t.copies) == (kind == "per_tensor")
+        finally:
+            magi_core.release(model)
+    assert magi_core.OffloadConfig().transfer == "per_tensor"
     with pytest.raises(magi_core.ConfigError, match="transfer"):
         magi_core.OffloadConfig(transfer="bulk")

@@ -46,11 +46,10 @@ logger = logging.getLogger(__name__)
 #: copy stream; 2 leaves a unit of slack for host jitter before the copy stream could run dry).
 HOST_LEAD_UNITS = 2
 
-#: The transfer an executor uses unless it is handed one: one copy per arena span of a batch (per weight where
-#: the weights do not form a tight span).
-DEFAULT_TRANSFER: Callable[[Backend, torch.device], WeightTransfer] = SpanTransfer
-#: Transfers by ``OffloadConfig.transfer`` name ("span" is :data:`DEFAULT_TRANSFER`).
-TRANSFER_KINDS: dict[str, Callable[[Backend, torch.device], WeightTransfer]] = {"per_tensor": PerTensorTransfer}
+#: The transfer an executor uses unless it is handed one (or another name): one copy per weight.
+DEFAULT_TRANSFER: Callable[[Backend, torch.device], WeightTransfer] = PerTensorTransfer
+#: Transfers by ``OffloadConfig.transfer`` name ("per_tensor" is :data:`DEFAULT_TRANSFER`).
+TRANSFER_KINDS: dict[str, Callable[[Backend, torch.device], WeightTransfer]] = {"span": SpanTransfer}
 
 
 class UnitTimerLike:
@@ -105,7 +104,7 @@ class OffloadExecutor:
         self.inputs = InputPreparer(device, self.program.n_inputs, sorted(weight_inputs))
         #: Every weight copy goes through this (the transfer seam, :mod:`.transfer`).
         if transfer is None or isinstance(transfer, str):
-            transfer = TRANSFER_KINDS.get(transfer or "span", DEFAULT_TRANSFER)(backend, device)
+            transfer = TRANSFER_KINDS.get(transfer or "per_tensor", DEFAULT_TRANSFER)(backend, device)
         self.transfer: WeightTransfer = transfer
         dm = backend.device_module
         self._current_stream = dm.current_stream
