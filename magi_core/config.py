@@ -88,7 +88,9 @@ class OffloadConfig:
     ``bandwidth_safety_factor`` in (0, 1]: schedulers plan with measured bandwidth times this.
     ``prefetch_margin_ms`` >= 0: slack HEURISTIC keeps between a copy's end and its unit's start.
     ``lookahead`` >= 1: BASE / COST_EFFECTIVE prefetch this many streamed units ahead.
-    ``unit_compiler``: "auto" (Inductor on accelerators, eager on the CPU backend), "inductor" or "eager".
+    ``unit_compiler``: "auto" (the active backend's choice from its capabilities: Inductor where it can compile
+    for the device, e.g. CUDA; eager on the CPU backend and on devices Inductor cannot compile for), "inductor"
+    or "eager" (see :meth:`magi_core.plugin.facade.Backend.resolve_unit_compiler`).
     ``warmup_calls`` >= 0: calls before the static plan is built (the first runs a simple look-ahead, the
     second profiles). ``max_unit_bytes``: split units whose weights exceed this many bytes (None: no limit).
     ``bandwidth_probe_bytes``: size of the H2D bandwidth probe (None: 1 GiB on accelerators, 16 MiB on CPU).
@@ -170,12 +172,6 @@ class OffloadConfig:
         set_(self, "transfer", self.transfer.strip().lower())
 
     # -- derived values -----------------------------------------------------------------------------
-    def resolved_unit_compiler(self, is_accelerator: bool) -> str:
-        """"inductor" or "eager": ``unit_compiler`` with "auto" resolved for the active backend."""
-        if self.unit_compiler == "auto":
-            return "inductor" if is_accelerator else "eager"
-        return self.unit_compiler
-
     def probe_bytes(self, is_accelerator: bool) -> int:
         """Size of the bandwidth probe: ``bandwidth_probe_bytes`` or the default for the backend kind."""
         if self.bandwidth_probe_bytes is not None:

@@ -457,6 +457,11 @@ class Registry:
         if top is None or top.device_type == "cpu":
             accel = available_accelerator()
             if accel is not None and accel != "cpu":
+                # torch reports this accelerator: an available backend that drives it wins over the host,
+                # whatever its priority (a backend may rank itself low so that only this picks it)
+                serving = [r for r in usable if r.serves(accel)]
+                if serving:
+                    return self._top(serving)
                 self._no_server(accel, records)
         if top is None:
             raise BackendError(

@@ -132,3 +132,20 @@ def test_offloaded_model_runs_on_the_device_sees_weight_edits_and_frees(backend,
     gc.collect()
     assert torch_magidev.memory_allocated() == base, "release frees every device copy"
     checker.assert_clean()
+
+
+def test_selected_once_torch_reports_the_device() -> None:
+    """After ``import torch_magidev`` torch reports a magidev accelerator: selection picks its backend, although
+    it ranks below the CPU backend (which only keeps it from being chosen while the device is absent)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch_magidev, magi_core\n"
+        "b = magi_core.get_backend()\n"
+        "print(b.name, b.selected_by)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MAGI_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "magidev"

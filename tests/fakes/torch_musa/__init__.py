@@ -365,6 +365,9 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
 class _Guard(torch._C._acc.DeviceGuard):
     """Device guard so torch.accelerator (and Dynamo's stream tracking) can query the device."""
 
+    # Outside torch's own files, Dynamo would trace this method and its compiled code would keep every compiled
+    # graph (and what it holds) alive after torch._dynamo.reset(); disabled, it stays plain Python.
+    @torch._dynamo.disable
     def type_(self) -> Any:
         return torch._C._autograd.DeviceType.PrivateUse1
 
