@@ -149,3 +149,32 @@ def test_selected_once_torch_reports_the_device() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "magidev"
+
+
+def test_default_config_offload_runs_eager_units_on_the_device(backend, tmp_path, monkeypatch):
+    """``magi_core.offload(model)`` with no config on a device Inductor cannot compile for: "auto" picks eager
+    units and no direct calls from the backend's (default) capabilities, and the answer is right."""
+    import magi_core
+    from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+
+    monkeypatch.setenv("MAGI_SHM_DIR", str(tmp_path))
+    monkeypatch.delenv("MAGI_OFFLOAD_UNIT_COMPILER", raising=False)
+    monkeypatch.setenv("MAGI_OFFLOAD_BANDWIDTH_PROBE_BYTES", "1MiB")
+    torch._dynamo.reset()
+    assert backend.resolve_unit_compiler("auto") == "eager" and not backend.allows_direct_unit_calls(True)
+    spec = TransformerSpec(layers=2, hidden=32, heads=2)
+    model = build_transformer(spec).eval()
+    x = example_input(spec, tokens=6)
+    with torch.no_grad():
+        ref = model(x)
+    magi_core.offload(model)
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                torch.testing.assert_close(model(x).cpu(), ref)
+        ex = magi_core.handle(model).runtime.executor
+        assert not any(ex.direct_units), "generated code is never called directly on this device"
+    finally:
+        magi_core.release(model, restore=True)
+        torch._dynamo.reset()
+    checker.assert_clean()
