@@ -10,7 +10,11 @@ from magi_core.plugin.host_ranges import ALREADY_REGISTERED, NOT_REGISTERED, SUC
 
 
 class Runtime:
-    """A runtime that answers with the codes a real one gives and records every call."""
+    """A runtime with a real table of pinned ranges, answering as CUDA's and MUSA's do, recording every call.
+
+    Register answers 712 when the range overlaps a pinned one (whoever pinned it); unregister answers 713 unless
+    a pinned range starts exactly at ``ptr``. A non-zero answer leaves a pending error until :meth:`clear`.
+    """
 
     def __init__(self) -> None:
         self.pinned: dict[int, int] = {}
@@ -19,7 +23,7 @@ class Runtime:
 
     def register(self, ptr: int, nbytes: int) -> int:
         self.calls.append("register")
-        if ptr in self.pinned:
+        if any(ptr < start + size and start < ptr + nbytes for start, size in self.pinned.items()):
             self.pending_error = ALREADY_REGISTERED
             return ALREADY_REGISTERED
         if nbytes > 1 << 40:
@@ -91,3 +95,111 @@ def test_invalid_ranges_raise_before_the_runtime(ptr: int, nbytes: int) -> None:
     with pytest.raises(HostRegisterError, match="invalid range"):
         _table(rt).register(ptr, nbytes)
     assert rt.calls == []
+
+
+# -- ownership: only what the table registered is unregistered through the runtime --------------------------------
+
+
+def test_a_range_someone_else_registered_is_accepted_and_left_registered() -> None:
+    """712 on register: the range is found, not owned; unregister forgets it and never removes their registration."""
+    rt, t = Runtime(), torch.ones(64)
+    ptr = t.data_ptr()
+    assert rt.register(ptr, 256) == SUCCESS  # another component (torch's pinned allocator, a library) pinned it
+    rt.calls.clear()
+    table = _table(rt)
+    table.register(ptr, 256)
+    assert table.ranges() == {ptr: 256}
+    assert rt.pending_error == SUCCESS, "the 712 left the runtime's pending error for the next kernel"
+    table.unregister(ptr)
+    assert rt.calls == ["register"], "unregistering a found range called the runtime"
+    assert rt.pinned == {ptr: 256}, "our unregister removed the other component's registration"
+    assert table.ranges() == {}
+    assert rt.unregister(ptr) == SUCCESS  # theirs to remove, and it is still there
+    with pytest.raises(HostRegisterError, match="not registered") as info:
+        table.unregister(ptr)
+    assert info.value.code == NOT_REGISTERED
+
+
+def test_a_sub_range_is_covered_by_its_parent_and_never_unregistered_alone() -> None:
+    """Inside a held range: accepted without a runtime call; its unregister calls nothing and raises nothing."""
+    rt, t = Runtime(), torch.ones(1024)
+    ptr = t.data_ptr()
+    table = _table(rt)
+    table.register(ptr, 4096)
+    table.register(ptr + 512, 1024)
+    table.register(ptr + 3072, 1024)  # ends where the parent ends
+    assert rt.calls == ["register"]
+    assert table.origins() == {ptr: "registered", ptr + 512: "covered", ptr + 3072: "covered"}
+    table.unregister(ptr + 512)
+    assert rt.calls == ["register"] and rt.pinned == {ptr: 4096}, "the sub-range's unregister reached the runtime"
+    table.unregister(ptr)
+    assert rt.calls == ["register", "unregister"] and rt.pinned == {}
+    table.unregister(ptr + 3072)  # its parent went first: still no runtime call, no error
+    assert rt.calls == ["register", "unregister"] and table.ranges() == {}
+    assert rt.pending_error == SUCCESS
+
+
+def test_a_sub_range_of_a_found_range_is_covered_too() -> None:
+    rt, t = Runtime(), torch.ones(1024)
+    ptr = t.data_ptr()
+    rt.register(ptr, 4096)
+    table = _table(rt)
+    table.register(ptr, 4096)
+    table.register(ptr + 1024, 256)
+    assert table.origins() == {ptr: "found", ptr + 1024: "covered"} and rt.calls == ["register", "register"]
+    table.unregister(ptr + 1024)
+    table.unregister(ptr)
+    assert rt.calls == ["register", "register"] and rt.pinned == {ptr: 4096}
+
+
+def test_a_range_overlapping_a_held_one_reaches_the_runtime_and_is_found() -> None:
+    """Not inside any held range: the runtime decides (712 for an overlap), and the range is found, not owned."""
+    rt, t = Runtime(), torch.ones(2048)
+    ptr = t.data_ptr()
+    table = _table(rt)
+    table.register(ptr, 4096)
+    table.register(ptr + 2048, 4096)  # straddles the end of the first
+    assert rt.calls == ["register", "register"] and rt.pending_error == SUCCESS
+    table.unregister(ptr + 2048)
+    assert rt.calls == ["register", "register"] and rt.pinned == {ptr: 4096}
+    table.unregister(ptr)
+    assert rt.pinned == {} and rt.calls[-1] == "unregister"
+    table.register(ptr, 4096)
+    table.register(ptr + 2048, 4096)
+    assert table.origins() == {ptr: "registered", ptr + 2048: "found"}
+    table.unregister(ptr + 2048)
+    table.unregister(ptr)
+
+
+def test_a_sub_range_left_behind_by_its_parent_registers_afresh() -> None:
+    """Once its parent is unregistered, registering a held sub-range again pins it through the runtime."""
+    rt, t = Runtime(), torch.ones(1024)
+    ptr = t.data_ptr()
+    table = _table(rt)
+    table.register(ptr, 4096)
+    table.register(ptr + 1024, 1024)
+    table.unregister(ptr)
+    table.register(ptr + 1024, 1024)  # not covered any more: the runtime pins it, and it is ours
+    assert rt.calls == ["register", "unregister", "register"] and rt.pinned == {ptr + 1024: 1024}
+    assert table.origins() == {ptr + 1024: "registered"}
+    table.unregister(ptr + 1024)
+    assert rt.pinned == {} and table.ranges() == {}
+
+
+def test_a_covered_range_moves_to_another_holder_when_its_parent_goes() -> None:
+    """Two held ranges cover a sub-range: when the first goes, the second covers it (no runtime call for it)."""
+    rt, t = Runtime(), torch.ones(4096)
+    ptr = t.data_ptr()
+    table = _table(rt)
+    table.register(ptr, 8192)
+    table.register(ptr + 2048, 8192)  # overlaps the first: the runtime answers 712, found
+    table.register(ptr + 4096, 2048)  # inside both: covered
+    table.unregister(ptr)
+    calls = list(rt.calls)
+    table.register(ptr + 4096, 2048)  # still covered (by the found range): held, nothing to do
+    assert rt.calls == calls and table.origins() == {ptr + 2048: "found", ptr + 4096: "covered"}
+    table.unregister(ptr + 2048)
+    table.register(ptr + 4096, 2048)  # nothing covers it now: registered afresh
+    assert rt.calls == [*calls, "register"] and table.origins() == {ptr + 4096: "registered"}
+    table.unregister(ptr + 4096)
+    assert rt.pinned == {} and table.ranges() == {}

@@ -10,6 +10,14 @@ are skipped, with the reason, when the device cannot allocate them (an emulated 
 kernels); checks that need a real accelerator are marked ``accelerator``. Every failure message starts
 with the hook it concerns and says what to change; a backend that cannot be selected is reported once
 (see :mod:`magi_core.testing.plugin`).
+
+Host registration is checked through the two public hooks only, with ranges that make a CUDA- or MUSA-style
+runtime answer for itself: a sub-range of a registered range (712 on register, 713 on unregister if passed
+on), a range straddling a registered one (712), memory torch's pinned-memory allocator pinned first (712; skipped
+where torch cannot pin memory for the device) and pages mapped ``PROT_NONE`` (refused); after each, a kernel on
+the device must still run (an error left pending by the runtime would be raised by it). A range registered by
+another party through the runtime itself cannot be produced through the hooks: backends test it with their own
+runtime (``backends/cuda/tests``, ``backends/musa/tests``).
 """
 
 from __future__ import annotations
@@ -164,6 +172,232 @@ def test_host_register_round_trip(magi_backend: Backend) -> None:
     finally:
         magi_backend.host_unregister(ptr)
     _must_refuse("magi_host_unregister", "unregistering a range twice", lambda: magi_backend.host_unregister(ptr))
+
+
+def _pinned(backend: Backend, t: torch.Tensor) -> bool | None:
+    """``t.is_pinned()`` for the backend's device, or None where torch cannot tell (or nothing is pinned: CPU)."""
+    if not backend.is_accelerator:
+        return None
+    try:
+        return bool(t.is_pinned())
+    except Exception:
+        return None
+
+
+def _must_accept(hook: str, case: str, call: Callable[[], object], fix: str) -> None:
+    """Fail naming ``hook`` and ``fix`` when ``call()`` raises."""
+    try:
+        call()
+    except Exception as exc:
+        pytest.fail(f"{hook}: {case} raised {type(exc).__name__}: {exc}; {fix}", pytrace=False)
+
+
+def _kernel_after(backend: Backend, case: str) -> None:
+    """Launch a small kernel on the device (where tensors allocate) and check it: nothing left pending by ``case``."""
+    if allocation_problem(backend) is not None:
+        return
+    try:
+        x = torch.arange(1024, dtype=torch.float32, device=backend.device())
+        y = (x * 2 + 1).sum()
+        backend.device_module.synchronize()
+        got = float(y.cpu())
+    except Exception as exc:
+        pytest.fail(
+            f"magi_host_register / magi_host_unregister: a kernel launched after {case} raised "
+            f"{type(exc).__name__}: {exc}; the runtime call left its per-thread error pending and the next kernel "
+            "reported it as its own: consume it after every non-zero return, 712 included (HostRangeTable's "
+            "clear_error, e.g. cudaGetLastError / musaGetLastError of the runtime instance torch loaded)",
+            pytrace=False,
+        )
+    assert got == 1048576.0, f"magi_host_register: a kernel after {case} computed {got}, expected 1048576.0"
+
+
+def _copy_matches(backend: Backend, t: torch.Tensor, case: str) -> None:
+    """A non-blocking copy of ``t`` to the device (where tensors allocate) gives ``t`` back."""
+    if allocation_problem(backend) is None:
+        dev = t.to(backend.device(), non_blocking=True)
+        backend.device_module.synchronize()
+        assert torch.equal(dev.cpu(), t), f"magi_host_register: a copy from {case} gave wrong data; pin in place"
+
+
+def _unregister_quietly(backend: Backend, *ptrs: int) -> None:
+    """Clean-up after a failed check: unregister what may still be held, ignoring errors."""
+    for ptr in ptrs:
+        try:
+            backend.host_unregister(ptr)
+        except Exception:
+            pass
+
+
+_SUB_FIX = ("a range inside a registered one is covered by it: accept it (the runtime answers 712) and, on "
+            "unregister, forget it without calling the runtime (which answers 713: it never registered that start); "
+            "magi_core.plugin.HostRangeTable does both")
+
+
+def test_host_register_sub_range_of_a_registered_range(magi_backend: Backend) -> None:
+    """A sub-range of a registered range registers and unregisters without error, in either order; the parent stays.
+
+    On CUDA and MUSA the runtime answers 712 for the sub-range and 713 when asked to unregister it, so a backend
+    that passes it to the runtime fails here (HostRangeTable covers it by its parent and never calls the runtime).
+    """
+    t = _host_tensor(1 << 14)
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    sub, sub_n = ptr + nbytes // 4, nbytes // 2
+    register, unregister = magi_backend.host_register, magi_backend.host_unregister
+    register(ptr, nbytes)
+    try:
+        pinned = _pinned(magi_backend, t)
+        _must_accept("magi_host_register", "registering a sub-range of a registered range",
+                     lambda: register(sub, sub_n), _SUB_FIX)
+        _kernel_after(magi_backend, "registering a sub-range of a registered range")
+        _must_accept("magi_host_unregister", "unregistering a sub-range of a registered range",
+                     lambda: unregister(sub), _SUB_FIX)
+        if pinned:
+            assert _pinned(magi_backend, t), (
+                "magi_host_unregister: unregistering a sub-range unpinned its parent; a sub-range is covered by its "
+                "parent, never unregistered alone"
+            )
+        _copy_matches(magi_backend, t, "a registered range after its sub-range was unregistered")
+        _kernel_after(magi_backend, "unregistering a sub-range")
+        # the other order: the parent goes first, the sub-range after it
+        _must_accept("magi_host_register", "registering a sub-range of a registered range again",
+                     lambda: register(sub, sub_n), _SUB_FIX)
+    except BaseException:
+        _unregister_quietly(magi_backend, sub, ptr)
+        raise
+    unregister(ptr)
+    _must_accept("magi_host_unregister", "unregistering a sub-range after its parent", lambda: unregister(sub),
+                 _SUB_FIX)
+    _kernel_after(magi_backend, "unregistering a sub-range after its parent")
+    _must_refuse("magi_host_unregister", "unregistering a sub-range twice", lambda: unregister(sub))
+    _must_refuse("magi_host_unregister", "unregistering a range twice", lambda: unregister(ptr))
+
+
+_FOUND_FIX = ("count 712 (already registered) from the runtime as success, remember the range as found rather than "
+              "registered, and forget it on unregister without calling the runtime (magi_core.plugin.HostRangeTable "
+              "does)")
+
+
+def test_host_register_range_overlapping_a_registered_one(magi_backend: Backend) -> None:
+    """A range straddling a registered one reaches the runtime (712 on CUDA and MUSA): accepted, kernels still run.
+
+    Unregistering it must neither raise (the runtime never registered its start: 713) nor disturb the range it
+    overlaps, which stays registered until unregistered itself.
+    """
+    t = _host_tensor(1 << 14)
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    first, second, half = ptr, ptr + nbytes // 4, nbytes // 2
+    register, unregister = magi_backend.host_register, magi_backend.host_unregister
+    register(first, half)
+    try:
+        pinned = _pinned(magi_backend, t[: t.numel() // 8])
+        _must_accept("magi_host_register", "registering a range that overlaps a registered one (the runtime answers "
+                     "712)", lambda: register(second, half), _FOUND_FIX)
+        _kernel_after(magi_backend, "a register the runtime answered 712 (already registered)")
+        _copy_matches(magi_backend, t, "two overlapping registered ranges")
+        _must_accept("magi_host_unregister", "unregistering a range the runtime had answered 712 for",
+                     lambda: unregister(second), _FOUND_FIX)
+        if pinned:
+            assert _pinned(magi_backend, t[: t.numel() // 8]), (
+                "magi_host_unregister: unregistering a range the runtime had answered 712 for unpinned the "
+                f"registered range it overlaps; {_FOUND_FIX}"
+            )
+        _kernel_after(magi_backend, "unregistering a range the runtime had answered 712 for")
+    except BaseException:
+        _unregister_quietly(magi_backend, second, first)
+        raise
+    unregister(first)
+    _must_refuse("magi_host_unregister", "unregistering the overlapping range twice", lambda: unregister(second))
+    _must_refuse("magi_host_unregister", "unregistering a range twice", lambda: unregister(first))
+
+
+def test_host_register_range_another_component_pinned(magi_backend: Backend) -> None:
+    """Memory torch's pinned-memory allocator pinned first: accepted (712), and our unregister leaves it pinned.
+
+    The kit's other registrant is torch's own allocator (``Tensor.pin_memory()``), the one public way to have
+    someone else pin memory on every backend; skipped where torch cannot pin memory for the device (the CPU
+    backend, emulated devices without a pinned allocator). Other registrants (a library calling the runtime
+    itself) follow the same rule and are left to a backend's own tests.
+    """
+    if not magi_backend.is_accelerator:
+        pytest.skip("the CPU backend pins nothing: no other component's registration to keep")
+    try:
+        p = _host_tensor(1 << 14).pin_memory()
+    except Exception as exc:
+        pytest.skip(f"torch cannot pin host memory for {magi_backend.device_type!r} here, so no other registrant is "
+                    f"available to the kit: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    if not _pinned(magi_backend, p):
+        pytest.skip(f"Tensor.pin_memory() gave memory torch does not report pinned for {magi_backend.device_type!r}")
+    ptr, nbytes = p.data_ptr(), p.numel() * p.element_size()
+    expected = _host_tensor(1 << 14)
+    _must_accept("magi_host_register", "registering memory torch's pinned-memory allocator had pinned (the runtime "
+                 "answers 712)", lambda: magi_backend.host_register(ptr, nbytes), _FOUND_FIX)
+    try:
+        _kernel_after(magi_backend, "registering memory another component had pinned")
+    except BaseException:
+        _unregister_quietly(magi_backend, ptr)
+        raise
+    _must_accept("magi_host_unregister", "unregistering memory another component had pinned first",
+                 lambda: magi_backend.host_unregister(ptr), _FOUND_FIX)
+    assert _pinned(magi_backend, p), (
+        "magi_host_unregister: unregistering memory torch's pinned-memory allocator had pinned first removed its "
+        f"registration (it is no longer pinned); only unregister what the runtime registered for you: {_FOUND_FIX}"
+    )
+    _kernel_after(magi_backend, "unregistering memory another component had pinned")
+    _copy_matches(magi_backend, p, "memory another component pinned")
+    assert torch.equal(p, expected), "magi_host_register: registering changed the data; pin in place"
+    _must_refuse("magi_host_unregister", "unregistering it twice", lambda: magi_backend.host_unregister(ptr))
+
+
+def _inaccessible_pages(n: int) -> tuple[int, int, Callable[[], None]] | None:
+    """``n`` pages mapped PROT_NONE (no runtime can pin them): (address, bytes, unmap); None without libc's mmap."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    size = n * mmap.PAGESIZE
+    prot_none = 0
+    addr = libc.mmap(None, size, prot_none, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if not addr or addr == ctypes.c_void_p(-1).value:
+        return None
+    return int(addr), size, lambda: libc.munmap(addr, size)
+
+
+def test_host_register_refused_then_a_kernel_runs(magi_backend: Backend) -> None:
+    """A register the runtime refuses (pages mapped PROT_NONE) raises HostRegisterError, and the next kernel runs.
+
+    A runtime that pins nothing (the CPU backend, emulations) may accept the range: it must then unregister it.
+    """
+    pages = _inaccessible_pages(2)
+    if pages is None:
+        pytest.skip("cannot map inaccessible pages here (libc mmap unreachable)")
+    addr, size, unmap = pages
+    try:
+        refused = False
+        try:
+            magi_backend.host_register(addr, size)
+        except HostRegisterError:
+            refused = True
+        except Exception as exc:
+            pytest.fail(f"magi_host_register: a range the runtime cannot pin raised {type(exc).__name__}: {exc}; raise "
+                        "magi_core.plugin.HostRegisterError with the runtime's text (HostRangeTable does)",
+                        pytrace=False)
+        _kernel_after(magi_backend, "a register the runtime refused" if refused else "registering inaccessible pages")
+        if not refused:
+            magi_backend.host_unregister(addr)
+        else:
+            _must_refuse("magi_host_unregister", "unregistering a range whose register was refused",
+                         lambda: magi_backend.host_unregister(addr))
+    finally:
+        unmap()
 
 
 def test_unregister_unknown_range_raises(magi_backend: Backend) -> None:

@@ -5,6 +5,10 @@ bindings. A failed runtime call also latches the runtime's per-thread "last erro
 error-checked CUDA call (typically an unrelated kernel launch) would report as its own failure, so
 after any non-zero return the error is drained with ``cudaGetLastError`` of the runtime instance(s)
 already mapped into this process (opened with ``RTLD_NOLOAD``: never a different library).
+
+Ownership follows :class:`~magi_core.plugin.HostRangeTable`: only ranges this backend registered are
+unregistered through CUDA; a range CUDA answers 712 for (torch's pinned-memory allocator, another library, or
+partly a range held here) is forgotten on unregister, and a sub-range of a held range never reaches CUDA.
 """
 
 from __future__ import annotations
@@ -86,11 +90,15 @@ _TABLE = HostRangeTable(
     register=lambda ptr, nbytes: _cudart().cudaHostRegister(ptr, nbytes, FLAGS_DEFAULT),
     unregister=lambda ptr: _cudart().cudaHostUnregister(ptr),
     error_text=lambda err: error_text(_cudart(), err),
-    clear_error=drain_last_error,
+    clear_error=lambda: drain_last_error(),
 )
-#: ``cudaHostRegister`` in place; 712 (already registered) is success.
+#: ``cudaHostRegister`` in place; 712 (already registered: someone else's, e.g. torch's pinned allocator, left to
+#: them) is success.
 host_register = _TABLE.register
-#: ``cudaHostUnregister``; a range this backend did not register raises (713).
+#: ``cudaHostUnregister`` for the ranges this backend registered; found and covered ranges are forgotten; a range
+#: it does not hold raises (713).
 host_unregister = _TABLE.unregister
-#: The ranges this backend has registered now (ptr -> nbytes), for leak checks.
+#: The ranges this backend holds now (ptr -> nbytes), for leak checks.
 registered_ranges = _TABLE.ranges
+#: How each held range is held: "registered", "found" (712) or "covered" (inside a held range).
+range_origins = _TABLE.origins

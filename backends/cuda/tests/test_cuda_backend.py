@@ -137,6 +137,86 @@ def test_invalid_and_unknown_ranges_raise_without_touching_the_runtime() -> None
     assert runtime.registered_ranges() == {}
 
 
+class FakeCudart:
+    """``torch.cuda.cudart()`` stand-in: a real table of pinned ranges, CUDA's answers (0/712/713), calls counted."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, int] = {}
+        self.calls: list[str] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 - binding name
+        self.calls.append("cudaHostRegister")
+        if any(ptr < start + size and start < ptr + nbytes for start, size in self.pinned.items()):
+            return 712
+        self.pinned[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802 - binding name
+        self.calls.append("cudaHostUnregister")
+        return 0 if self.pinned.pop(ptr, None) is not None else 713
+
+    def cudaGetErrorString(self, err: int) -> str:  # noqa: N802 - binding name
+        return {712: "part or all of the requested memory range is already mapped",
+                713: "pointer does not correspond to a registered memory region"}.get(int(err), "error")
+
+
+@pytest.fixture
+def fake_cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    """The CUDA backend's table over :class:`FakeCudart` (no GPU needed); ``drains`` counts pending-error drains."""
+    rt = FakeCudart()
+    rt.drains = 0  # type: ignore[attr-defined]
+
+    def drain() -> bool:
+        rt.drains += 1  # type: ignore[attr-defined]
+        return True
+
+    monkeypatch.setattr(runtime, "_cudart", lambda: rt)
+    monkeypatch.setattr(runtime, "drain_last_error", drain)
+    yield rt
+    assert runtime.registered_ranges() == {}, "a test left a range held by the CUDA backend's table"
+
+
+def test_a_range_someone_else_registered_is_left_registered(fake_cudart: FakeCudart) -> None:
+    """CUDA answers 712 (torch's pinned allocator or a library pinned it): accepted, drained, never unregistered."""
+    t = torch.ones(1024)
+    ptr = t.data_ptr()
+    assert fake_cudart.cudaHostRegister(ptr, 4096, 0) == 0  # someone else's registration
+    magi_backend_cuda.magi_host_register(ptr=ptr, nbytes=4096)
+    magi_backend_cuda.magi_host_unregister(ptr=ptr)
+    assert fake_cudart.calls == ["cudaHostRegister", "cudaHostRegister"], "unregister reached cudaHostUnregister"
+    assert fake_cudart.pinned == {ptr: 4096}, "our unregister removed the other component's registration"
+    assert fake_cudart.drains == 1  # type: ignore[attr-defined]  # the 712's pending error
+
+
+def test_a_sub_range_never_reaches_cuda(fake_cudart: FakeCudart) -> None:
+    """Inside a range the backend holds: no cudaHostRegister (712) and no cudaHostUnregister (713), in either order."""
+    t = torch.ones(4096)
+    ptr = t.data_ptr()
+    magi_backend_cuda.magi_host_register(ptr=ptr, nbytes=16384)
+    magi_backend_cuda.magi_host_register(ptr=ptr + 4096, nbytes=4096)
+    magi_backend_cuda.magi_host_register(ptr=ptr + 8192, nbytes=4096)
+    assert fake_cudart.calls == ["cudaHostRegister"]
+    assert runtime.range_origins() == {ptr: "registered", ptr + 4096: "covered", ptr + 8192: "covered"}
+    magi_backend_cuda.magi_host_unregister(ptr=ptr + 4096)
+    magi_backend_cuda.magi_host_unregister(ptr=ptr)
+    magi_backend_cuda.magi_host_unregister(ptr=ptr + 8192)
+    assert fake_cudart.calls == ["cudaHostRegister", "cudaHostUnregister"]
+    assert fake_cudart.pinned == {} and fake_cudart.drains == 0  # type: ignore[attr-defined]
+
+
+def test_a_range_straddling_a_held_one_goes_to_cuda_and_is_found(fake_cudart: FakeCudart) -> None:
+    """Not inside a held range: CUDA decides (712), the error is drained, and unregister leaves CUDA alone."""
+    t = torch.ones(4096)
+    ptr = t.data_ptr()
+    magi_backend_cuda.magi_host_register(ptr=ptr, nbytes=8192)
+    magi_backend_cuda.magi_host_register(ptr=ptr + 4096, nbytes=8192)
+    magi_backend_cuda.magi_host_unregister(ptr=ptr + 4096)
+    assert fake_cudart.pinned == {ptr: 8192}
+    magi_backend_cuda.magi_host_unregister(ptr=ptr)
+    assert fake_cudart.calls == ["cudaHostRegister", "cudaHostRegister", "cudaHostUnregister"]
+    assert fake_cudart.drains == 1  # type: ignore[attr-defined]
+
+
 @pytest.mark.skipif(ranges.available(), reason="checks the no-NVTX path")
 def test_ranges_are_noops_without_nvtx() -> None:
     """Without NVTX in the build, push/pop do nothing and do not raise."""
@@ -174,7 +254,58 @@ def test_712_from_runtime_is_success_and_drained() -> None:
         assert torch.equal(dev.cpu(), t)
     finally:
         magi_backend_cuda.magi_host_unregister(ptr=ptr)
+        # the registration was someone else's (ours, through cudart): the backend left it, so it is still there
+        assert int(rt.cudaHostUnregister(ptr)) == 0, "the backend's unregister removed a registration it did not make"
     assert runtime.registered_ranges() == {}
+
+
+@pytest.mark.accelerator
+@needs_cuda
+def test_sub_range_and_pinned_allocator_memory_on_cuda() -> None:
+    """On the GPU: a sub-range never reaches CUDA alone; memory torch's pinned allocator pinned stays pinned."""
+    t = torch.ones(1 << 16)
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    magi_backend_cuda.magi_host_register(ptr=ptr, nbytes=nbytes)
+    magi_backend_cuda.magi_host_register(ptr=ptr + 4096, nbytes=8192)  # CUDA would answer 712
+    magi_backend_cuda.magi_host_unregister(ptr=ptr + 4096)  # CUDA would answer 713
+    assert t.is_pinned()
+    magi_backend_cuda.magi_host_unregister(ptr=ptr)
+    assert not t.is_pinned()
+    p = torch.ones(1 << 16).pin_memory()
+    magi_backend_cuda.magi_host_register(ptr=p.data_ptr(), nbytes=p.numel() * 4)
+    origin = runtime.range_origins()[p.data_ptr()]
+    x = torch.ones(8, device="cuda") * 3
+    torch.cuda.synchronize()
+    magi_backend_cuda.magi_host_unregister(ptr=p.data_ptr())
+    assert p.is_pinned(), f"our unregister unpinned torch's pinned-allocator memory (held as {origin!r})"
+    assert float(x.sum()) == 24.0 and torch.equal(p.to("cuda", non_blocking=True).cpu(), p)
+    assert runtime.registered_ranges() == {}
+
+
+@pytest.mark.accelerator
+@needs_cuda
+def test_pinned_allocator_using_cuda_host_register_keeps_its_registration() -> None:
+    """torch's pinned allocator registering with cudaHostRegister itself: our 712 range is theirs, left to them."""
+    out = _run("""
+        import os
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "pinned_use_cuda_host_register:True,pinned_num_register_threads:1"
+        import json, torch
+        import magi_backend_cuda
+        from magi_backend_cuda import runtime
+        p = torch.ones(1 << 20).pin_memory()  # malloc + cudaHostRegister (PYTORCH_CUDA_ALLOC_CONF below)
+        magi_backend_cuda.magi_host_register(ptr=p.data_ptr(), nbytes=p.numel() * 4)
+        origin = runtime.range_origins()[p.data_ptr()]
+        x = torch.ones(8, device="cuda") * 2
+        torch.cuda.synchronize()
+        magi_backend_cuda.magi_host_unregister(ptr=p.data_ptr())
+        pinned = p.is_pinned()
+        ok = torch.equal(p.to("cuda", non_blocking=True).cpu(), p)
+        del p  # torch's allocator unregisters its block on empty_cache: it must still be registered
+        torch.cuda.synchronize()
+        torch._C._host_emptyCache()
+        print(json.dumps({"origin": origin, "pinned": pinned, "ok": ok, "sum": float(x.sum())}))
+    """)
+    assert out == {"origin": "found", "pinned": True, "ok": True, "sum": 16.0}
 
 
 @pytest.mark.accelerator

@@ -3,8 +3,16 @@
 Never the CUDA runtime, even when libcudart or an adapter such as torchada (which remaps
 ``torch.cuda`` onto ``torch.musa``) is present: the functions used here are named ``musa*`` and
 come from ``torch.musa.musart()`` or from ``$MUSA_HOME/lib/libmusart.so`` (default
-``/usr/local/musa``). After a failed call the runtime's pending per-thread error is drained with
-``musaGetLastError`` where the runtime offers it, so it cannot surface later as another call's error.
+``/usr/local/musa``).
+
+A failed call, and a tolerated one (712, already registered), leaves the runtime's per-thread pending error
+set, and torch_musa raises it after the next kernel launch (``C10_MUSA_KERNEL_LAUNCH_CHECK``) as that kernel's
+own error. So after every non-zero return it is consumed with ``musaGetLastError``: the bindings' own when they
+have it, else (torch_musa 2.7.1's ``_musart`` binds only ``musaGetErrorString``, ``musaHostRegister``,
+``musaHostUnregister``, ``musaStreamCreate/Destroy`` and ``musaMemGetInfo``) the one exported by each
+``libmusart`` already mapped into the process (:func:`loaded_libmusart`: opened with ``RTLD_NOLOAD``, so no
+library is ever loaded by this, and none but ``libmusart``), then checked with ``musaPeekAtLastError`` where
+exported.
 """
 
 from __future__ import annotations
@@ -27,18 +35,29 @@ logger = logging.getLogger(__name__)
 #: musaHostRegisterDefault.
 FLAGS_DEFAULT = 0
 DEFAULT_MUSA_HOME = "/usr/local/musa"
+_BINDINGS_SOURCE = "torch.musa.musart()"
 
 
 
 @dataclass(frozen=True)
 class MusaRuntime:
-    """The four MUSA runtime entry points host pinning needs, and where they came from."""
+    """The MUSA runtime entry points host pinning needs, and where they came from."""
 
     source: str
     host_register: Callable[[int, int, int], Any]
     host_unregister: Callable[[int], Any]
     error_string: Callable[[Any], str] | None
     get_last_error: Callable[[], Any] | None
+    peek_at_last_error: Callable[[], Any] | None = None
+
+
+@dataclass(frozen=True)
+class ErrorDrain:
+    """One runtime instance's ``musaGetLastError`` (and ``musaPeekAtLastError`` where exported)."""
+
+    source: str
+    get_last_error: Callable[[], Any]
+    peek_at_last_error: Callable[[], Any] | None
 
 
 def libmusart_path() -> Path:
@@ -52,12 +71,24 @@ def _from_bindings(bindings: Any) -> MusaRuntime | None:
     if register is None or unregister is None:
         return None
     return MusaRuntime(
-        source="torch.musa.musart()",
+        source=_BINDINGS_SOURCE,
         host_register=register,
         host_unregister=unregister,
         error_string=getattr(bindings, "musaGetErrorString", None),
         get_last_error=getattr(bindings, "musaGetLastError", None),
+        peek_at_last_error=getattr(bindings, "musaPeekAtLastError", None),
     )
+
+
+def _int_function(lib: Any, name: str) -> Callable[[], Any] | None:
+    """``lib.<name>`` as a no-argument function returning an int; None when ``lib`` does not export it."""
+    fn = getattr(lib, name, None)
+    if fn is None:
+        return None
+    if isinstance(lib, ctypes.CDLL):
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+    return fn
 
 
 def _from_library(path: Path) -> MusaRuntime:
@@ -82,17 +113,13 @@ def _from_library(path: Path) -> MusaRuntime:
             raw = fn(int(err))
             return raw.decode(errors="replace") if raw else f"MUSA error {int(err)}"
 
-    get_last_error = None
-    if hasattr(lib, "musaGetLastError"):
-        get_last_error = lib.musaGetLastError
-        get_last_error.restype = ctypes.c_int
-        get_last_error.argtypes = []
     return MusaRuntime(
         source=str(path),
         host_register=lib.musaHostRegister,
         host_unregister=lib.musaHostUnregister,
         error_string=error_string,
-        get_last_error=get_last_error,
+        get_last_error=_int_function(lib, "musaGetLastError"),
+        peek_at_last_error=_int_function(lib, "musaPeekAtLastError"),
     )
 
 
@@ -115,10 +142,90 @@ def error_text(rt: MusaRuntime, err: Any) -> str:
     return str(rt.error_string(err))
 
 
-def _drain() -> None:
+def loaded_libmusart() -> tuple[Any, ...]:
+    """Handles to every ``libmusart`` already mapped into this process (torch_musa's runtime); none is loaded anew.
+
+    The paths come from ``/proc/self/maps`` (file names starting with ``libmusart``), plus the name
+    ``libmusart.so`` as the dynamic linker knows it; each is opened with ``RTLD_NOLOAD``, which only returns a
+    library already loaded. Tests replace this function to hand in an emulated library.
+    """
+    names: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(None, 5)
+                if len(parts) < 6:
+                    continue
+                path = parts[5].strip().removesuffix(" (deleted)")
+                if os.path.basename(path).startswith("libmusart") and path not in names:
+                    names.append(path)
+    except OSError:
+        pass
+    names.append("libmusart.so")
+    handles: list[Any] = []
+    seen: set[int] = set()
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        if lib._handle in seen:
+            continue
+        seen.add(lib._handle)
+        handles.append(lib)
+    return tuple(handles)
+
+
+_drains: tuple[ErrorDrain, ...] = ()
+_warned_no_drain = False
+
+
+def error_drains() -> tuple[ErrorDrain, ...]:
+    """Where to consume the pending error: the bindings' ``musaGetLastError``, else each loaded ``libmusart``'s.
+
+    Resolved at the first failed call (torch_musa has loaded the runtime by then) and kept once found.
+    """
+    global _drains
+    if _drains:
+        return _drains
     rt = musa_runtime()
-    if rt.get_last_error is not None:
-        rt.get_last_error()
+    bindings = rt.source == _BINDINGS_SOURCE
+    if bindings and rt.get_last_error is not None:
+        found = [ErrorDrain(rt.source, rt.get_last_error, rt.peek_at_last_error)]
+    else:  # every runtime instance mapped, torch_musa's and (fallback) the one loaded from MUSA_HOME alike
+        found = []
+        for lib in loaded_libmusart():
+            get = _int_function(lib, "musaGetLastError")
+            if get is not None:
+                source = str(getattr(lib, "_name", None) or type(lib).__name__)
+                found.append(ErrorDrain(source, get, _int_function(lib, "musaPeekAtLastError")))
+        if not found and rt.get_last_error is not None:
+            found = [ErrorDrain(rt.source, rt.get_last_error, rt.peek_at_last_error)]
+    _drains = tuple(found)
+    return _drains
+
+
+def drain_last_error() -> bool:
+    """Consume this thread's pending MUSA error after a failed or tolerated call; False when no drain was reachable."""
+    global _warned_no_drain
+    drains = error_drains()
+    if not drains:
+        if not _warned_no_drain:
+            _warned_no_drain = True
+            logger.warning(
+                "MUSA: torch_musa's runtime bindings have no musaGetLastError and no libmusart loaded in this process "
+                "exports it, so the error a failed or tolerated host register/unregister leaves pending cannot be "
+                "cleared: the next MUSA kernel may raise it as its own"
+            )
+        return False
+    for drain in drains:
+        drain.get_last_error()
+        if drain.peek_at_last_error is not None:
+            left = int(drain.peek_at_last_error())
+            if left != 0:
+                logger.warning("MUSA: error %d still pending after musaGetLastError (%s); a sticky error?", left,
+                               drain.source)
+    return True
 
 
 _TABLE = HostRangeTable(
@@ -126,11 +233,14 @@ _TABLE = HostRangeTable(
     register=lambda ptr, nbytes: musa_runtime().host_register(ptr, nbytes, FLAGS_DEFAULT),
     unregister=lambda ptr: musa_runtime().host_unregister(ptr),
     error_text=lambda err: error_text(musa_runtime(), err),
-    clear_error=_drain,
+    clear_error=lambda: drain_last_error(),
 )
-#: ``musaHostRegister`` in place; 712 (already registered) is success.
+#: ``musaHostRegister`` in place; 712 (already registered: someone else's, left to them) is success.
 host_register = _TABLE.register
-#: ``musaHostUnregister``; a range this backend did not register raises (713).
+#: ``musaHostUnregister`` for the ranges this backend registered; found and covered ranges are forgotten; a range
+#: it does not hold raises (713).
 host_unregister = _TABLE.unregister
-#: The ranges this backend has registered now (ptr -> nbytes), for leak checks.
+#: The ranges this backend holds now (ptr -> nbytes), for leak checks.
 registered_ranges = _TABLE.ranges
+#: How each held range is held: "registered", "found" (712) or "covered" (inside a held range).
+range_origins = _TABLE.origins

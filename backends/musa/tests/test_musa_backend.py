@@ -85,6 +85,7 @@ def test_host_register_uses_musart_with_a_real_table_and_712_713() -> None:
     proc = run_emulated("""
         import json, torch
         from magi_core import HostRegisterError, get_backend
+        from magi_backend_musa import runtime
         b = get_backend()
         rt = torch.musa.musart()
         x, y = torch.ones(1024), torch.ones(2048)
@@ -92,14 +93,17 @@ def test_host_register_uses_musart_with_a_real_table_and_712_713() -> None:
         b.host_register(x.data_ptr(), 4096)
         b.host_register(x.data_ptr(), 4096)
         out["table_after_register"] = rt.registered_ranges() == {x.data_ptr(): 4096}
-        # 712 from the runtime: y registered behind the backend's back
+        # 712 from the runtime: y registered behind the backend's back (by someone else)
         int(rt.musaHostRegister(y.data_ptr(), 8192, 0))
         b.host_register(y.data_ptr(), 8192)
         out["last_error_drained"] = int(rt.musaGetLastError())
         out["calls"] = [c[0] for c in rt.calls]
+        out["origins"] = sorted(runtime.range_origins().values())
         b.host_unregister(y.data_ptr())
         b.host_unregister(x.data_ptr())
-        out["table_after_unregister"] = rt.registered_ranges()
+        out["table_after_unregister"] = {hex(k): v for k, v in rt.registered_ranges().items()}
+        out["y"] = hex(y.data_ptr())
+        out["theirs_removed_by_them"] = int(rt.musaHostUnregister(y.data_ptr()))
         try:
             b.host_unregister(x.data_ptr())
         except HostRegisterError as e:
@@ -117,10 +121,189 @@ def test_host_register_uses_musart_with_a_real_table_and_712_713() -> None:
     assert out["table_after_register"] is True
     assert out["last_error_drained"] == 0
     assert out["calls"] == ["musaHostRegister", "musaHostRegister", "musaHostRegister"]
-    assert out["table_after_unregister"] == {}
+    assert out["origins"] == ["found", "registered"]
+    assert out["table_after_unregister"] == {out["y"]: 8192}, "our unregister removed someone else's registration"
+    assert out["theirs_removed_by_them"] == 0
     assert out["unknown"] == 713
     assert out["runtime_713"][0] == 713
     assert "pointer does not correspond to a registered memory region" in out["runtime_713"][1]
+
+
+# -- torch_musa 2.7.1's binding surface: no musaGetLastError in the bindings ------------------------------------
+
+_SURFACE_2_7_1 = {"FAKE_MUSA_BINDINGS": "2.7.1"}
+
+
+def test_2_7_1_surface_is_exactly_that_of_torch_musas_bindings() -> None:
+    """The emulation's 2.7.1 bindings have exactly torch_musa 2.7.1's ``_musart`` names (no musaGetLastError)."""
+    proc = run_emulated("""
+        import json, torch, torch_musa
+        rt = torch.musa.musart()
+        print(json.dumps({"names": sorted(n for n in dir(rt) if not n.startswith("_")),
+                          "expected": sorted(torch_musa.MUSART_2_7_1_SURFACE), "version": torch_musa.__version__}))
+    """, env=_SURFACE_2_7_1)
+    out = _json_out(proc)
+    assert out["names"] == out["expected"] == ["musaError", "musaGetErrorString", "musaHostRegister",
+                                               "musaHostUnregister", "musaMemGetInfo", "musaStreamCreate",
+                                               "musaStreamDestroy"]
+    assert out["version"] == "2.7.1+emulated"
+
+
+def test_tolerated_and_failed_calls_do_not_poison_the_next_kernel_with_2_7_1_bindings() -> None:
+    """Emulated 2.7.1: after a tolerated 712, a memlock refusal pinning tolerates, or a 713, the next kernel runs.
+
+    torch_musa raises the runtime's pending per-thread error after every kernel launch
+    (``torch.musa.launch_kernel`` stands in for one). The bindings have no ``musaGetLastError``, so the backend
+    takes it from the ``libmusart`` the process loaded (the lookup pointed at the emulated library here).
+    """
+    proc = run_emulated("""
+        import json, logging, threading, torch, torch_musa
+        from magi_core import HostRegisterError, get_backend
+        from magi_core.host.pinning import pin_ranges
+        from magi_backend_musa import runtime
+        runtime.loaded_libmusart = lambda: (torch_musa.LIBMUSART,)
+        b = get_backend()
+        rt = torch.musa.musart()
+        out = {"has_get_last_error": hasattr(rt, "musaGetLastError")}
+
+        def kernel(label):
+            try:
+                torch.musa.launch_kernel(label)
+            except RuntimeError as exc:
+                out[label] = str(exc).splitlines()[0]
+            else:
+                out[label] = "ok"
+
+        # 1. 712: someone else registered x first; the backend tolerates it
+        x = torch.ones(1024)
+        int(rt.musaHostRegister(x.data_ptr(), 4096, 0))
+        b.host_register(x.data_ptr(), 4096)
+        kernel("after_712")
+        b.host_unregister(x.data_ptr())
+        out["x_still_theirs"] = x.data_ptr() in torch_musa.emulated_registered_ranges()
+        int(rt.musaHostUnregister(x.data_ptr()))
+        # 2. a sub-range of a held range, then a range straddling it (712 from the runtime)
+        y = torch.ones(4096)
+        b.host_register(y.data_ptr(), 8192)
+        b.host_register(y.data_ptr() + 1024, 1024)
+        b.host_register(y.data_ptr() + 4096, 8192)
+        kernel("after_overlap")
+        for p in (y.data_ptr() + 1024, y.data_ptr() + 4096, y.data_ptr()):
+            b.host_unregister(p)
+        kernel("after_unregisters")
+        # 3. memlock: the runtime refuses ("out of memory"); pinning tolerates it and offload carries on
+        big = torch.ones(1 << 18)
+        res = pin_ranges(b, [(big.data_ptr(), big.numel() * 4)], budget=None)
+        out["pin_error"] = res.error
+        kernel("after_memlock_refusal")
+        # 4. 713 from the runtime on unregister (the range vanished behind the backend's back)
+        z = torch.ones(256)
+        b.host_register(z.data_ptr(), 1024)
+        int(rt.musaHostUnregister(z.data_ptr()))
+        try:
+            b.host_unregister(z.data_ptr())
+        except HostRegisterError as exc:
+            out["unregister_713"] = exc.code
+        kernel("after_713")
+        # 5. the pending error is per thread: a 712 on a worker thread is drained on that thread
+        w = torch.ones(256)
+        int(rt.musaHostRegister(w.data_ptr(), 1024, 0))
+        def worker():
+            b.host_register(w.data_ptr(), 1024)
+            kernel("worker_after_712")
+            b.host_unregister(w.data_ptr())
+        t = threading.Thread(target=worker); t.start(); t.join()
+        kernel("main_after_worker")
+        int(rt.musaHostUnregister(w.data_ptr()))
+        out["drain_sources"] = [d.source for d in getattr(runtime, "error_drains", tuple)()]
+        with open("/proc/self/maps") as maps:
+            out["cuda_libraries"] = sorted({l.split()[-1] for l in maps if "libcuda" in l})
+        print(json.dumps(out))
+    """, env={**_SURFACE_2_7_1, "FAKE_MUSA_MEMLOCK_BYTES": str(256 << 10)})
+    out = _json_out(proc)
+    assert out["has_get_last_error"] is False
+    for label in ("after_712", "after_overlap", "after_unregisters", "after_memlock_refusal", "after_713",
+                  "worker_after_712", "main_after_worker"):
+        assert out[label] == "ok", f"{label}: the next kernel raised {out[label]!r}"
+    assert out["x_still_theirs"] is True
+    assert out["pin_error"] is not None and "out of memory" in out["pin_error"]
+    assert out["unregister_713"] == 713
+    assert out["drain_sources"] == ["EmulatedLibmusart"]
+    assert out["cuda_libraries"] == []
+
+
+def test_without_a_reachable_musa_get_last_error_the_backend_warns_once() -> None:
+    """Emulated 2.7.1 with no libmusart loaded (nothing to drain with): one warning saying what will happen."""
+    proc = run_emulated("""
+        import json, logging, torch
+        from magi_core import get_backend
+        from magi_backend_musa import runtime
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+        logging.getLogger("magi_backend_musa.runtime").addHandler(Keep())
+        b = get_backend()
+        rt = torch.musa.musart()
+        x = torch.ones(1024)
+        int(rt.musaHostRegister(x.data_ptr(), 4096, 0))
+        b.host_register(x.data_ptr(), 4096)
+        b.host_register(x.data_ptr() + 16, 64)
+        b.host_unregister(x.data_ptr() + 16)
+        b.host_unregister(x.data_ptr())
+        try:
+            torch.musa.launch_kernel()
+        except RuntimeError as exc:
+            launch = str(exc).splitlines()[0]
+        print(json.dumps({"found": len(runtime.loaded_libmusart()), "warnings": records, "launch": launch}))
+    """, env=_SURFACE_2_7_1)
+    out = _json_out(proc)
+    assert out["found"] == 0
+    assert len(out["warnings"]) == 1 and "no musaGetLastError" in out["warnings"][0]
+    assert "already mapped" in out["launch"]  # what the warning announces: the next kernel raises it
+
+
+_STUB_LOADED_LIBMUSART = r"""
+static __thread int pending = 0;
+int musaGetLastError(void) { int e = pending; pending = 0; return e; }
+int musaPeekAtLastError(void) { return pending; }
+void stub_set_pending(int e) { pending = e; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a stub libmusart.so")
+def test_drain_reaches_the_libmusart_the_process_already_loaded(tmp_path: Path) -> None:
+    """The real lookup: a libmusart mapped into the process (as torch_musa maps it) is found and drained, never loaded.
+
+    Before it is mapped, the lookup finds nothing (RTLD_NOLOAD never loads a library).
+    """
+    lib = tmp_path / "musa" / "lib" / "libmusart.so.4"
+    lib.parent.mkdir(parents=True)
+    (tmp_path / "stub.c").write_text(_STUB_LOADED_LIBMUSART)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "stub.c")], check=True)
+    proc = run_emulated("""
+        import ctypes, json, sys, torch
+        from magi_core import get_backend
+        from magi_backend_musa import runtime
+        out = {"before": len(runtime.loaded_libmusart())}
+        stub = ctypes.CDLL(sys.argv[1])  # torch_musa's own load of the runtime
+        b = get_backend()
+        x = torch.ones(1024)
+        int(torch.musa.musart().musaHostRegister(x.data_ptr(), 4096, 0))
+        stub.stub_set_pending(712)  # what the real runtime leaves pending on the 712 below
+        b.host_register(x.data_ptr(), 4096)
+        out["pending_after"] = stub.musaPeekAtLastError()
+        out["sources"] = [d.source for d in runtime.error_drains()]
+        b.host_unregister(x.data_ptr())
+        with open("/proc/self/maps") as maps:
+            out["mapped"] = sorted({l.split()[-1] for l in maps if "libmusart" in l or "libcuda" in l})
+        print(json.dumps(out))
+    """, env=_SURFACE_2_7_1, args=[str(lib)])
+    out = _json_out(proc)
+    assert out["before"] == 0
+    assert out["pending_after"] == 0
+    assert out["sources"] == [str(lib)]
+    assert out["mapped"] == [str(lib)]
 
 
 def test_never_the_cuda_runtime_even_with_torchada() -> None:
@@ -246,11 +429,12 @@ def test_ranges_show_up_in_the_profiler_and_balance() -> None:
         magi_backend_musa.magi_range_pop()
 
 
-def test_conformance_kit_passes_emulated() -> None:
-    """Emulated: the conformance kit passes for musa in a subprocess (tensor-on-device parts skipped)."""
+@pytest.mark.parametrize("bindings", ["2.7.0", "2.7.1"])
+def test_conformance_kit_passes_emulated(bindings: str) -> None:
+    """Emulated: the conformance kit passes for musa in a subprocess (tensor-on-device parts skipped), both surfaces."""
     proc = run_emulated_argv(
         ["-m", "pytest", "-p", "magi", "--pyargs", "magi_core.testing.conformance", "--magi-backend=musa",
-         "-q", "-rs", "-p", "no:cacheprovider"],
+         "-q", "-rs", "-p", "no:cacheprovider"], env={"FAKE_MUSA_BINDINGS": bindings},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -9,9 +9,27 @@ around the originals kept at ``torch.Tensor.orig_*``, and exposes ``musart()`` w
 It is EMULATED: no kernels exist for the "musa" device, so tensors cannot be allocated on it.
 Streams and events are host objects that record order and wall-clock time.
 
+The runtime is one process-wide state (what ``libmusart.so`` holds): the pinned ranges and a per-thread
+pending error that every failing call leaves behind (712 "already registered" included), as the MUSA and CUDA
+runtimes do. :func:`launch_kernel` stands in for a torch_musa kernel launch, which raises that pending error
+(``C10_MUSA_KERNEL_LAUNCH_CHECK``); :data:`LIBMUSART` is what ``ctypes`` would reach in the loaded
+``libmusart.so`` (``musaGetLastError``, ``musaPeekAtLastError``, ...). ``Tensor.pin_memory()`` emulates
+torch_musa's pinned-memory allocator (a cached host block the runtime counts as pinned, as ``musaHostAlloc``
+memory: registering it answers 712, unregistering it 713), ``Tensor.is_pinned()`` asks the runtime.
+
+Two binding surfaces (``FAKE_MUSA_BINDINGS``):
+  ``2.7.0`` (default): ``musart()`` also binds ``musaGetLastError`` (a superset of the released bindings) and
+  offers the emulation-only ``registered_ranges()`` and ``calls``.
+  ``2.7.1``: ``musart()`` has exactly torch_musa 2.7.1's ``_musart`` attributes (:data:`MUSART_2_7_1_SURFACE`,
+  from ``torch_musa/csrc/core/musart.cpp``): no ``musaGetLastError``; use :func:`emulated_registered_ranges` and
+  :data:`RUNTIME_CALLS` to look inside.
+
 Environment knobs (read at import):
   ``FAKE_MUSA_DEVICE_COUNT`` (default 1): how many devices ``device_count()`` reports.
-  ``FAKE_MUSA_NO_HOST_REGISTER=1``: ``musart()`` lacks the host-register bindings (ctypes fallback path).
+  ``FAKE_MUSA_BINDINGS``: ``2.7.0`` (default) or ``2.7.1``, see above.
+  ``FAKE_MUSA_NO_HOST_REGISTER=1``: surface 2.7.0 without the host-register bindings (ctypes fallback path).
+  ``FAKE_MUSA_MEMLOCK_BYTES=N``: musaHostRegister refuses (2, "out of memory") past N registered bytes, as a
+  memlock limit makes it.
 """
 
 from __future__ import annotations
@@ -21,26 +39,33 @@ import os
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__version__ = "2.7.0+emulated"
+_BINDINGS = os.environ.get("FAKE_MUSA_BINDINGS", "").strip() or "2.7.0"
+if _BINDINGS not in ("2.7.0", "2.7.1"):
+    raise RuntimeError(f"FAKE_MUSA_BINDINGS={_BINDINGS!r}: the emulated binding surfaces are '2.7.0' and '2.7.1'")
+__version__ = f"{_BINDINGS}+emulated"
 #: Marker for tests and reports: this is not the real torch_musa.
 EMULATED = True
 
 _DEVICE_COUNT = int(os.environ.get("FAKE_MUSA_DEVICE_COUNT", "1"))
 _HAS_HOST_REGISTER = os.environ.get("FAKE_MUSA_NO_HOST_REGISTER", "") in ("", "0")
+_MEMLOCK_BYTES = int(os.environ["FAKE_MUSA_MEMLOCK_BYTES"]) if os.environ.get("FAKE_MUSA_MEMLOCK_BYTES") else None
 
 # musaError numbers (same as CUDA's cudaError_t for these cases).
 MUSA_SUCCESS = 0
 MUSA_ERROR_INVALID_VALUE = 1
+MUSA_ERROR_MEMORY_ALLOCATION = 2
 MUSA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 MUSA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
 _ERROR_TEXT = {
     MUSA_SUCCESS: "no error",
     MUSA_ERROR_INVALID_VALUE: "invalid argument",
+    MUSA_ERROR_MEMORY_ALLOCATION: "out of memory",
     MUSA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
     MUSA_ERROR_HOST_MEMORY_NOT_REGISTERED: "pointer does not correspond to a registered memory region",
 }
@@ -241,9 +266,9 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
     return _FAKE_TOTAL, _FAKE_TOTAL
 
 
-# -- runtime bindings ------------------------------------------------------------------------------
+# -- runtime: libmusart.so's state, torch_musa's bindings over it, an emulated kernel launch ----------------------
 class musaError:  # noqa: N801 - mirrors the binding's type name
-    """A musaError_t value: ``int()`` gives the code."""
+    """A musaError_t value, as torch_musa's ``py::enum_<musaError_t>`` returns it: ``int()`` gives the code."""
 
     def __init__(self, code: int) -> None:
         self.code = int(code)
@@ -264,60 +289,212 @@ class musaError:  # noqa: N801 - mirrors the binding's type name
         return f"musaError({self.code})"
 
 
-class _Musart:
-    """Emulated ``torch_musa`` runtime bindings with a real table of registered host ranges."""
+musaError.success = musaError(MUSA_SUCCESS)  # type: ignore[attr-defined]  # the enum's one named value
+
+
+class _RuntimeState:
+    """What the process's ``libmusart.so`` holds: the pinned host ranges and each thread's pending error.
+
+    Like the MUSA (and CUDA) runtime, every failing call leaves its code as the calling thread's pending error,
+    which ``musaGetLastError`` returns and clears and ``musaPeekAtLastError`` returns; torch_musa reads it with
+    ``C10_MUSA_KERNEL_LAUNCH_CHECK()`` after every kernel launch (:func:`launch_kernel`).
+    """
 
     def __init__(self) -> None:
-        self._ranges: dict[int, int] = {}
-        self._last_error = MUSA_SUCCESS
+        #: ptr -> (nbytes, how): "registered" (musaHostRegister) or "hostalloc" (torch_musa's pinned allocator).
+        self.ranges: dict[int, tuple[int, str]] = {}
         #: Every runtime call made, as (name, args): lets tests prove which runtime was used.
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self._tls = threading.local()
+
+    def fail(self, code: int) -> int:
+        self._tls.pending = code
+        return code
+
+    def get_last_error(self) -> int:
+        code = getattr(self._tls, "pending", MUSA_SUCCESS)
+        self._tls.pending = MUSA_SUCCESS
+        return code
+
+    def peek_at_last_error(self) -> int:
+        return getattr(self._tls, "pending", MUSA_SUCCESS)
+
+    def host_register(self, ptr: int, nbytes: int, flags: int) -> int:
+        with _lock:
+            self.calls.append(("musaHostRegister", (ptr, nbytes, flags)))
+            if ptr <= 0 or nbytes <= 0:
+                return self.fail(MUSA_ERROR_INVALID_VALUE)
+            for start, (size, _) in self.ranges.items():
+                if ptr < start + size and start < ptr + nbytes:
+                    return self.fail(MUSA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
+            locked = sum(size for size, how in self.ranges.values() if how == "registered")
+            if _MEMLOCK_BYTES is not None and locked + nbytes > _MEMLOCK_BYTES:
+                return self.fail(MUSA_ERROR_MEMORY_ALLOCATION)
+            self.ranges[ptr] = (nbytes, "registered")
+            return MUSA_SUCCESS
+
+    def host_unregister(self, ptr: int) -> int:
+        with _lock:
+            self.calls.append(("musaHostUnregister", (ptr,)))
+            held = self.ranges.get(ptr)
+            if held is None or held[1] != "registered":  # musaHostAlloc memory is not "registered" either
+                return self.fail(MUSA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+            del self.ranges[ptr]
+            return MUSA_SUCCESS
+
+    def host_alloc(self, nbytes: int) -> torch.Tensor:
+        """torch_musa's pinned-memory allocator (musaHostAlloc): a host block pinned by the runtime, kept cached."""
+        block = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        with _lock:
+            self.ranges[block.data_ptr()] = (block.numel(), "hostalloc")
+            _PINNED_BLOCKS.append(block)
+        return block
+
+    def is_pinned(self, ptr: int) -> bool:
+        with _lock:
+            return any(start <= ptr < start + size for start, (size, _) in self.ranges.items())
+
+    def registered_ranges(self) -> dict[int, int]:
+        with _lock:
+            return {ptr: size for ptr, (size, how) in self.ranges.items() if how == "registered"}
+
+
+_PINNED_BLOCKS: list[torch.Tensor] = []
+_STATE = _RuntimeState()
+
+
+def _error_text(code: int) -> str:
+    return _ERROR_TEXT.get(int(code), f"unknown error {int(code)}")
+
+
+def launch_kernel(name: str = "emulated_kernel") -> None:
+    """Stand-in for a torch_musa kernel launch: ``C10_MUSA_KERNEL_LAUNCH_CHECK()``, i.e. raise the pending error.
+
+    torch_musa checks ``musaGetLastError()`` after every kernel it launches, so an error a runtime call left
+    pending (and nobody consumed) is raised by the next, unrelated kernel, as its own.
+    """
+    _lazy_init()
+    code = _STATE.get_last_error()
+    if code != MUSA_SUCCESS:
+        raise RuntimeError(f"MUSA error: {_error_text(code)}\nMUSA kernel errors might be asynchronously reported "
+                           f"at some other API call (while launching {name})")
+
+
+def emulated_registered_ranges() -> dict[int, int]:
+    """Emulation only: the ranges registered now with musaHostRegister (ptr -> nbytes)."""
+    return _STATE.registered_ranges()
+
+
+#: Emulation only: every runtime call made, as (name, args).
+RUNTIME_CALLS = _STATE.calls
+
+
+class EmulatedLibmusart:
+    """What ``ctypes.CDLL("libmusart.so")`` gives in a process where torch_musa loaded the runtime: its C functions.
+
+    They share the state torch_musa's bindings use (one runtime per process). Return values are ints, as ctypes
+    functions with ``restype = c_int`` return them; ``musaGetErrorString`` returns bytes (``c_char_p``).
+    """
+
+    def musaGetLastError(self) -> int:  # noqa: N802 - C symbol name
+        return _STATE.get_last_error()
+
+    def musaPeekAtLastError(self) -> int:  # noqa: N802 - C symbol name
+        return _STATE.peek_at_last_error()
+
+    def musaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 - C symbol name
+        return _STATE.host_register(int(ptr), int(nbytes), int(flags))
+
+    def musaHostUnregister(self, ptr: int) -> int:  # noqa: N802 - C symbol name
+        return _STATE.host_unregister(int(ptr))
+
+    def musaGetErrorString(self, code: int) -> bytes:  # noqa: N802 - C symbol name
+        return _error_text(code).encode()
+
+
+#: The emulated ``libmusart.so`` of this process (point the MUSA backend's library lookup at it in tests).
+LIBMUSART = EmulatedLibmusart()
+
+
+class _Musart:
+    """Emulated bindings, surface "2.7.0": host register/unregister, error strings, and ``musaGetLastError``.
+
+    A superset of any released torch_musa's ``_musart`` (none binds ``musaGetLastError``); kept to cover a backend
+    path that prefers the bindings' own drain. ``registered_ranges()`` and ``calls`` are emulation only.
+    """
+
+    def __init__(self) -> None:
+        self.calls = _STATE.calls
         if _HAS_HOST_REGISTER:
             self.musaHostRegister = self._host_register
             self.musaHostUnregister = self._host_unregister
 
-    def _fail(self, code: int) -> musaError:
-        self._last_error = code
-        return musaError(code)
-
     def _host_register(self, ptr: int, nbytes: int, flags: int) -> musaError:
-        with _lock:
-            self.calls.append(("musaHostRegister", (ptr, nbytes, flags)))
-            if ptr <= 0 or nbytes <= 0:
-                return self._fail(MUSA_ERROR_INVALID_VALUE)
-            for start, size in self._ranges.items():
-                if ptr < start + size and start < ptr + nbytes:
-                    return self._fail(MUSA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
-            self._ranges[ptr] = nbytes
-            return musaError(MUSA_SUCCESS)
+        return musaError(_STATE.host_register(ptr, nbytes, flags))
 
     def _host_unregister(self, ptr: int) -> musaError:
-        with _lock:
-            self.calls.append(("musaHostUnregister", (ptr,)))
-            if self._ranges.pop(ptr, None) is None:
-                return self._fail(MUSA_ERROR_HOST_MEMORY_NOT_REGISTERED)
-            return musaError(MUSA_SUCCESS)
+        return musaError(_STATE.host_unregister(ptr))
 
     def musaGetErrorString(self, error: Any) -> str:  # noqa: N802 - binding name
         """Text of a musaError."""
-        return _ERROR_TEXT.get(int(error), f"unknown error {int(error)}")
+        return _error_text(int(error))
 
     def musaGetLastError(self) -> musaError:  # noqa: N802 - binding name
-        """Return and clear the last error, as the runtime does."""
-        with _lock:
-            code, self._last_error = self._last_error, MUSA_SUCCESS
-            return musaError(code)
+        """Return and clear this thread's pending error, as the runtime does."""
+        return musaError(_STATE.get_last_error())
 
     def registered_ranges(self) -> dict[int, int]:
         """Emulation only: ranges registered now (ptr -> nbytes)."""
-        with _lock:
-            return dict(self._ranges)
+        return _STATE.registered_ranges()
 
 
-_musart = _Musart()
+def _musart_2_7_1() -> types.ModuleType:
+    """torch_musa 2.7.1's ``_musart`` submodule (``torch_musa/csrc/core/musart.cpp``), attribute for attribute.
+
+    ``musaError`` (an enum with one named value, ``success``), ``musaGetErrorString`` (takes a ``musaError``, not
+    an int), ``musaHostRegister(ptr, size, flags)``, ``musaHostUnregister(ptr)``, ``musaStreamCreate(ptr)``,
+    ``musaStreamDestroy(ptr)`` (each returning a ``musaError`` and, through ``C10_MUSA_ERROR_HANDLED``, leaving a
+    failure pending), ``musaMemGetInfo(device)``. No ``musaGetLastError``, no ``musaPeekAtLastError``.
+    """
+    mod = types.ModuleType("torch_musa._MUSAC._musart", "libmusart.so bindings")
+
+    def musaGetErrorString(error: musaError) -> str:  # noqa: N802 - binding name
+        if not isinstance(error, musaError):  # pybind11 enums do not convert from int
+            raise TypeError("musaGetErrorString(): incompatible function arguments. The following argument types "
+                            f"are supported:\n    1. (arg0: torch_musa._MUSAC._musart.musaError) -> str\n\nInvoked "
+                            f"with: {error!r}")
+        return _error_text(int(error))
+
+    def musaHostRegister(ptr: int, size: int, flags: int) -> musaError:  # noqa: N802 - binding name
+        return musaError(_STATE.host_register(int(ptr), int(size), int(flags)))
+
+    def musaHostUnregister(ptr: int) -> musaError:  # noqa: N802 - binding name
+        return musaError(_STATE.host_unregister(int(ptr)))
+
+    def musaStreamCreate(ptr: int) -> musaError:  # noqa: N802 - binding name
+        return musaError(MUSA_SUCCESS)
+
+    def musaStreamDestroy(ptr: int) -> musaError:  # noqa: N802 - binding name
+        return musaError(MUSA_SUCCESS)
+
+    def musaMemGetInfo(device: int) -> tuple[int, int]:  # noqa: N802 - binding name
+        return mem_get_info(device)
+
+    for fn in (musaGetErrorString, musaHostRegister, musaHostUnregister, musaStreamCreate, musaStreamDestroy,
+               musaMemGetInfo):
+        setattr(mod, fn.__name__, fn)
+    mod.musaError = musaError  # type: ignore[attr-defined]
+    return mod
 
 
-def musart() -> _Musart:
+#: Public names of torch_musa 2.7.1's ``_musart`` bindings.
+MUSART_2_7_1_SURFACE = ("musaError", "musaGetErrorString", "musaHostRegister", "musaHostUnregister",
+                        "musaMemGetInfo", "musaStreamCreate", "musaStreamDestroy")
+
+_musart: Any = _musart_2_7_1() if _BINDINGS == "2.7.1" else _Musart()
+
+
+def musart() -> Any:
     """The runtime bindings (initialises, as ``torch.cuda.cudart()`` does)."""
     _lazy_init()
     return _musart
@@ -340,13 +517,19 @@ def _to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 def _pin_memory(self: torch.Tensor, device: Any = "musa") -> torch.Tensor:
-    """torch_musa's ``Tensor.pin_memory`` wrapper (default device "musa")."""
-    return self.orig_pin_memory(device)
+    """torch_musa's ``Tensor.pin_memory`` (default device "musa"): a copy in a block of its pinned-memory allocator."""
+    if self.device.type != "cpu":
+        raise RuntimeError(f"cannot pin '{self.device}' memory: only dense CPU tensors can be pinned")
+    _lazy_init()
+    block = _STATE.host_alloc(self.numel() * self.element_size())
+    out = block[: self.numel() * self.element_size()].view(self.dtype).view(self.shape)
+    out.copy_(self)
+    return out
 
 
 def _is_pinned(self: torch.Tensor, device: Any = "musa") -> bool:
-    """torch_musa's ``Tensor.is_pinned`` wrapper (default device "musa")."""
-    return self.orig_is_pinned(device)
+    """torch_musa's ``Tensor.is_pinned`` (default device "musa"): whether the runtime counts the memory as pinned."""
+    return self.device.type == "cpu" and self.numel() > 0 and _STATE.is_pinned(self.data_ptr())
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
