@@ -294,7 +294,9 @@ def test_host_register_range_overlapping_a_registered_one(magi_backend: Backend)
         _must_accept("magi_host_register", "registering a range that overlaps a registered one (the runtime answers "
                      "712)", lambda: register(second, half), _FOUND_FIX)
         _kernel_after(magi_backend, "a register the runtime answered 712 (already registered)")
-        _copy_matches(magi_backend, t, "two overlapping registered ranges")
+        # only the first range is surely pinned: CUDA answers 712 for a straddling range without pinning the rest,
+        # and a non-blocking copy that spans pinned and unpinned pages is refused (measured on an H200)
+        _copy_matches(magi_backend, t[: half // t.element_size()], "a registered range another one overlaps")
         _must_accept("magi_host_unregister", "unregistering a range the runtime had answered 712 for",
                      lambda: unregister(second), _FOUND_FIX)
         if pinned:
@@ -330,8 +332,16 @@ def test_host_register_range_another_component_pinned(magi_backend: Backend) -> 
         pytest.skip(f"Tensor.pin_memory() gave memory torch does not report pinned for {magi_backend.device_type!r}")
     ptr, nbytes = p.data_ptr(), p.numel() * p.element_size()
     expected = _host_tensor(1 << 14)
-    _must_accept("magi_host_register", "registering memory torch's pinned-memory allocator had pinned (the runtime "
-                 "answers 712)", lambda: magi_backend.host_register(ptr, nbytes), _FOUND_FIX)
+    try:
+        magi_backend.host_register(ptr, nbytes)
+    except HostRegisterError:
+        # the runtime may refuse memory another allocator pinned its own way (CUDA answers 1, invalid value, for
+        # cudaHostAlloc'd memory; 712 for memory registered with cudaHostRegister): a clear error is fine, as long
+        # as nothing is left pending and the other component's pinning stays
+        _kernel_after(magi_backend, "a refused register of memory another component had pinned")
+        assert _pinned(magi_backend, p), "magi_host_register: a refused register unpinned another component's memory"
+        _copy_matches(magi_backend, p, "memory another component pinned")
+        return
     try:
         _kernel_after(magi_backend, "registering memory another component had pinned")
     except BaseException:
