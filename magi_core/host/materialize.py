@@ -766,7 +766,10 @@ class _Materializer:
                         bar.update(n)
                         if self.on_progress is not None:
                             self.on_progress("pin", done, budget_total)
-                    result = pinning.pin_ranges(self.backend, ranges, opts.pin_budget_bytes, step, self.rank)
+                    extents = {a.buf.data_ptr(): sorted((s.offset, s.offset + s.nbytes) for s in hw.layout.slots
+                                                        if s.arena == a.key) for a in hw.arenas}
+                    result = pinning.pin_ranges(self.backend, ranges, opts.pin_budget_bytes, step, self.rank,
+                                                extents)
                 hw._ranges = result.ranges
                 logger.info("rank %d: pinned %d of %d bytes in %.2fs (wave %d of %d, %d rank(s) at once)",
                             self.rank, result.pinned_bytes, sum(n for _, n in ranges), result.seconds, w + 1, waves, c)

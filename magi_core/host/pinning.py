@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from magi_core.host.arena import PAGE
@@ -50,23 +50,44 @@ class PinResult:
         return sum(n for _, n in self.ranges)
 
 
+def cut_between_tensors(n: int, extents: Sequence[tuple[int, int]]) -> int:
+    """The largest page-aligned cut <= ``n`` that no tensor (start, end byte offsets) straddles.
+
+    A tensor partly in pinned and partly in pageable pages cannot be copied to the device at all (CUDA
+    refuses the copy, blocking or not: cudaErrorInvalidValue, measured on an H200), so a budget never
+    splits one.
+    """
+    cut = n // PAGE * PAGE
+    moved = True
+    while moved and cut > 0:
+        moved = False
+        for start, end in extents:
+            if start < cut < end:
+                cut = start // PAGE * PAGE
+                moved = True
+    return cut
+
+
 def pin_ranges(
     backend: Backend,
     ranges: list[tuple[int, int]],
     budget: int | None,
     progress: Callable[[int], None] | None = None,
     rank: int = 0,
+    extents: Mapping[int, Sequence[tuple[int, int]]] | None = None,
 ) -> PinResult:
     """Register each (ptr, nbytes) in place, at most ``budget`` bytes in total (whole pages).
 
-    A refused registration stops pinning (the rest stays pageable) and is logged with the memlock
-    limit; it does not raise, so ranks waiting in the same wave never hang.
+    ``extents`` (per range start: the byte offsets (start, end) of the tensors in it) keep a budget from
+    cutting through a tensor (:func:`cut_between_tensors`). A refused registration stops pinning (the rest
+    stays pageable) and is logged with the memlock limit; it does not raise, so ranks waiting in the same
+    wave never hang.
     """
     res = PinResult()
     left = budget if budget is not None else None
     t0 = time.perf_counter()
     for ptr, nbytes in ranges:
-        n = nbytes if left is None else min(nbytes, left // PAGE * PAGE)
+        n = nbytes if left is None or left >= nbytes else cut_between_tensors(left, (extents or {}).get(ptr, ()))
         if n <= 0:
             break
         try:
