@@ -165,6 +165,20 @@ def test_pin_budget_and_no_pin(shm_dir: str, monkeypatch: pytest.MonkeyPatch) ->
         assert hw2.pinned_bytes == 0 and registered_ranges() == {}
 
 
+def test_pin_budget_never_cuts_through_a_tensor(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor half pinned cannot be copied to a CUDA device at all (refused, measured on an H200): the budget's
+    cut moves back to a page no tensor straddles."""
+    m = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # weights of 1 MiB each, small biases between
+    monkeypatch.setenv("MAGI_PIN_BUDGET_GB", str(1.5 / 1024))  # 1.5 MiB: the raw cut lands inside m[1].weight
+    with materialize(m, options=OPTS) as hw:
+        assert 0 < hw.pinned_bytes <= 1.5 * (1 << 20)
+        for name, p in m.named_parameters():
+            lo, hi = p.data_ptr(), p.data_ptr() + p.nbytes
+            inside = sum(max(0, min(hi, r + n) - max(lo, r)) for r, n in hw.pinned_ranges)
+            assert inside in (0, p.nbytes), f"{name}: {inside} of {p.nbytes} bytes pinned"
+        assert hw.is_pinned(m[0].weight) and not hw.is_pinned(m[1].weight)
+
+
 def test_refused_pinning_logs_memlock_and_keeps_going(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     """A runtime that refuses registration after 1 MiB (as under a low RLIMIT_MEMLOCK): partial pin, clear log."""
     real = get_backend()
