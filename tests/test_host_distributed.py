@@ -134,6 +134,19 @@ def test_ep1_sampled_check_alone_misses_a_sparse_difference(shm_dir: str, tmp_pa
     assert recs[1]["emb_after"] == recs[0]["emb_before"] != recs[1]["emb_before"]
 
 
+def test_ep1_reader_refuses_a_shared_file_changed_after_it_was_written(shm_dir: str, tmp_path: Path) -> None:
+    """Another process rewrites the shared file between the writer's copy and rank 1's map: rank 1's sampled check
+    (verify_shared='sampled', which has no full comparison behind it) refuses it before swapping anything in, and
+    every rank fails instead of rank 1 computing with the rewritten weights. (The writer's own weights live in the
+    file by then: a rewrite reaches them whatever a reader checks.)"""
+    recs = _run(2, ["--scenario", "tamper", "--verify", "sampled"], shm_dir, tmp_path)
+    assert recs[1]["error"] == "WeightMismatchError", recs[1].get("message")
+    assert "the shared file holds other values" in recs[1]["message"]
+    assert recs[1]["values_unchanged_after_error"] and recs[1]["files_after_error"] == []
+    assert recs[0]["error"] is not None and "rank 1" in recs[0]["message"]
+    assert recs[1]["dense_after"] == recs[1]["dense_before"] and recs[1]["emb_after"] == recs[1]["emb_before"]
+
+
 @pytest.mark.parametrize("mode", ["read_only", "copy_on_write"])
 def test_ep1_write_on_one_rank_never_reaches_another(mode: str, shm_dir: str, tmp_path: Path) -> None:
     """Rank 0 writes in place into a shared parameter (add_(100)) and a buffer (+= 1) after materialising.

@@ -18,7 +18,7 @@ from host_workers.common import child_env, shm_dir_fixture  # noqa: F401  (fixtu
 
 from magi_core.errors import ConfigError
 from magi_core.host import HostOptions, shm
-from magi_core.host.arena import same_bytes
+from magi_core.host.arena import fingerprint, same_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +39,22 @@ def test_same_bytes_is_bitwise() -> None:
     assert not same_bytes(_u8(a), _u8(a[:-1]))
     strided = torch.arange(40, dtype=torch.uint8)[::2]
     assert same_bytes(strided, strided.clone()) and same_bytes(strided[:0], strided[:0])
+
+
+def test_fingerprint_sees_value_dtype_and_shape() -> None:
+    # the sampled pre-check ranks agree on before sharing a file: equal tensors agree, and a change of a sampled
+    # value (the first and the last element are always sampled), of the dtype or of the shape does not
+    t = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    fp = fingerprint(t, 8)
+    assert fingerprint(t.clone(), 8) == fp and fingerprint(t.t().contiguous().t(), 8) == fp  # strides do not count
+    for changed in (0, -1):
+        u = t.clone()
+        u.view(-1)[changed] += 1
+        assert fingerprint(u, 8) != fp, f"element {changed} is sampled"
+    assert fingerprint(t.view(torch.int32), 8) != fp  # the same bytes read as another dtype
+    assert fingerprint(t.reshape(4, 16), 8) != fp and fingerprint(t.reshape(64), 8) != fp
+    assert fingerprint(torch.tensor(1.0), 8) != fingerprint(torch.tensor(2.0), 8)  # 0-dim
+    assert fingerprint(torch.empty(0, 8), 8) != fingerprint(torch.empty(8, 0), 8)  # no elements: the shape decides
 
 
 def test_sharing_options_are_validated() -> None:

@@ -63,6 +63,39 @@ def test_create_is_exclusive_0600_and_reserves_space(shm_dir: str) -> None:
         shm.unlink(path)
 
 
+def test_reader_opens_only_the_writers_regular_0600_file_of_the_planned_size(
+    shm_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what a reader rank checks before mapping the file another rank created (shm.open_existing)
+    path = os.path.join(shm_dir, shm.file_name(shm.Owner.current(), "t"))
+    fd = shm.create(path, 8192)
+    try:
+        os.close(shm.open_existing(path, 8192))  # the writer's file as created: accepted
+        with pytest.raises(PermissionError, match="expected a regular 0600 file"):
+            shm.open_existing(path, 4096)  # not the planned size
+        os.chmod(path, 0o644)
+        with pytest.raises(PermissionError, match=r"mode 0o644"):
+            shm.open_existing(path, 8192)  # readable by others: not the file the writer made
+        os.chmod(path, 0o600)
+        with monkeypatch.context() as m:  # owned by another uid (posing as the next uid: no root needed)
+            m.setattr(shm.os, "getuid", lambda: os.stat(path).st_uid + 1)
+            with pytest.raises(PermissionError, match="found uid"):
+                shm.open_existing(path, 8192)
+        link = os.path.join(shm_dir, shm.file_name(shm.Owner.current(), "link"))
+        target = tmp_path / "elsewhere.bin"
+        target.write_bytes(b"\0" * 8192)
+        os.symlink(target, link)
+        try:
+            with pytest.raises(OSError) as info:
+                shm.open_existing(link, 8192)  # never followed
+            assert info.value.errno == errno.ELOOP
+        finally:
+            os.unlink(link)
+    finally:
+        os.close(fd)
+        shm.unlink(path)
+
+
 def test_cleanup_removes_only_dead_owners(shm_dir: str) -> None:
     pid, start = _dead_pid()
     dead = os.path.join(shm_dir, shm.file_name(shm.Owner(pid, start, "job", "aa"), "node0-float32"))
@@ -305,6 +338,23 @@ def test_cleanup_never_touches_symlinks_fifos_or_other_users_files(shm_dir: str,
     finally:
         for p in kept:
             os.unlink(p)
+
+
+def test_cleanup_keeps_a_file_named_like_ours_but_owned_by_another_uid(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the same check as above without root (no file can be given away): this process poses as the next uid, so a
+    # dead owner's file named with that uid is owned by someone else
+    pid, start = _dead_pid()
+    me = os.getuid()
+    monkeypatch.setattr(shm.os, "getuid", lambda: me + 1)
+    path = os.path.join(shm_dir, shm.file_name(shm.Owner(pid, start, "job", "aa"), "node0-float32"))
+    open(path, "wb").close()
+    try:
+        assert os.path.basename(path).startswith(f"magi-u{me + 1}-") and os.stat(path).st_uid == me
+        assert shm.cleanup_stale(shm_dir) == [] and os.path.exists(path)
+    finally:
+        os.unlink(path)
 
 
 def test_create_locks_until_closed(shm_dir: str) -> None:

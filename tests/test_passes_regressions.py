@@ -43,7 +43,7 @@ def test_index_select_with_index_moved_to_x_device() -> None:
     inputs = (torch.randn(5, 4), torch.tensor([4, 0, 2]))
     meta_only = trace_with(IndexSelect(), inputs, lambda gm, ex: _move_metadata_only(gm))
     assert any(n.target == "to" and n.args[1] == torch.device("cpu") for n in meta_only.gm.graph.nodes)
-    with pytest.raises(Exception, match="device"):
+    with pytest.raises(RuntimeError, match="found at least two devices, meta and cpu"):
         fake_run_on(META, meta_only.gm, meta_only.example_inputs)
 
     full = trace_with(IndexSelect(), inputs, lambda gm, ex: place_on_device(gm, META, ("to",), example_inputs=ex))

@@ -24,7 +24,7 @@ from magi_core.plugin.manager import (
     available_accelerator,
     spec_major,
 )
-from magi_core.plugin.spec import HOOKSPEC_VERSION, REQUIRED_HOOKS, ProbeResult
+from magi_core.plugin.spec import HOOKSPEC_VERSION, REQUIRED_HOOKS, Capabilities, ProbeResult
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -128,6 +128,32 @@ def test_facade_routes_to_the_selected_backend(registry: Registry) -> None:
         backend.host_unregister(ptr)
     with backend.range("noop"):  # cpu has no ranges: a clean no-op
         pass
+
+
+def test_facade_keeps_the_backends_to_method_aliases_and_placement_rewrites_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backend listing ``orig_to`` (as the MUSA backend does): the facade keeps it, and device placement with the
+    facade's aliases moves a graph's ``.orig_to(cpu)`` to the device (with ``("to",)`` it would stay on the host)."""
+    from helpers.fake_backends import discover_also, load_in_process
+    from strategies import FxSpec, build_fx_graph, orig_to_installed
+
+    from magi_core.passes.device_placement import is_cpu_device, place_on_device
+
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    discover_also(monkeypatch, load_in_process(monkeypatch, "aliased", device_type="meta", priority=-50,
+                                               aliases=("to", "orig_to")))
+    backend = Registry().use("aliased")
+    assert backend is not None and backend.to_method_aliases == ("to", "orig_to")
+    spec = FxSpec(dim=3, batch=2, ops=("index_select", "gather"), blocks=(None, None), to_alias=("orig_to", "to"),
+                  to_spelling=(0, 0))
+    with orig_to_installed():
+        gm, inputs = build_fx_graph(spec)
+        report = place_on_device(gm, backend.device_type, backend.to_method_aliases, example_inputs=inputs)
+    assert report.to_calls == 2
+    moved = [n for n in gm.graph.nodes if n.op == "call_method" and n.target in ("to", "orig_to")]
+    assert sorted(n.target for n in moved) == ["orig_to", "to"]
+    assert not any(is_cpu_device(n.args[1]) for n in moved), [n.format_node() for n in moved]
 
 
 def test_record_call_of_missing_hook_says_so(registry: Registry) -> None:
@@ -465,8 +491,8 @@ def test_cpu_backend_declares_inductor_and_direct_calls_but_stays_eager_for_auto
     backend = registry.use("cpu")
     assert backend is not None
     assert "magi_capabilities" in registry.records()["cpu"].callers
-    caps = cpu_backend.magi_capabilities()
-    assert backend.capabilities == caps == backend.declared_capabilities
+    expected = Capabilities(inductor=True, default_unit_compiler="eager", direct_unit_calls=True)
+    assert backend.capabilities == expected and backend.declared_capabilities == expected
     assert backend.resolve_unit_compiler("auto") == "eager"
     assert backend.resolve_unit_compiler("inductor") == "inductor"
     assert backend.allows_direct_unit_calls(True) and not backend.allows_direct_unit_calls(False)
@@ -519,10 +545,12 @@ def test_offload_compiles_units_as_the_backend_capabilities_say(monkeypatch: pyt
 def test_explicit_inductor_on_a_backend_without_inductor_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from magi_core.plugin import Capabilities
 
-    with pytest.raises(Exception) as info:  # Dynamo wraps the backend's ConfigError in BackendCompilerFailed
+    # torch.compile(backend=...) directly (not magi_core.offload): Dynamo wraps the backend's ConfigError
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
         _offload_units(monkeypatch, Capabilities(reason="no code generator for this device"),
                        {"unit_compiler": "inductor"})
-    text = str(info.value)
+    assert isinstance(info.value.inner_exception, magi_core.ConfigError)
+    text = str(info.value.inner_exception)
     assert "unit_compiler='inductor' cannot run on backend 'cpu'" in text and "unit_compiler='eager'" in text
     assert "no code generator for this device" in text
 

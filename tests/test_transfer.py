@@ -10,7 +10,7 @@ from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 import magi_core
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
 from magi_core.execute import executor as executor_mod
-from magi_core.execute.transfer import SpanTransfer, plan_span
+from magi_core.execute.transfer import PerTensorTransfer, SpanTransfer, plan_span
 from magi_core.plugin.manager import get_backend
 
 SPEC = TransformerSpec(layers=3, hidden=32, heads=2)
@@ -85,8 +85,6 @@ def test_offloaded_model_with_span_copies(shm_dir: str, monkeypatch: pytest.Monk
 
 
 def test_config_chooses_the_transfer(shm_dir: str) -> None:
-    from magi_core.execute.transfer import PerTensorTransfer
-
     for kind, cls in (("per_tensor", PerTensorTransfer), ("span", SpanTransfer)):
         torch._dynamo.reset()
         model = build_transformer(SPEC)
@@ -103,3 +101,24 @@ def test_config_chooses_the_transfer(shm_dir: str) -> None:
     assert magi_core.OffloadConfig().transfer == "per_tensor"
     with pytest.raises(magi_core.ConfigError, match="transfer"):
         magi_core.OffloadConfig(transfer="bulk")
+
+
+def test_release_hands_device_tensors_to_record_stream_and_host_tensors_to_nobody(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the CPU backend record_stream is never called; an accelerator facade over the host module (device type
+    # meta) shows the release reaching Tensor.record_stream on the compute stream, exactly for device tensors.
+    import dataclasses
+
+    cpu = get_backend()
+    if cpu.is_accelerator:
+        pytest.skip("builds an accelerator facade from the CPU backend's")
+    acc = dataclasses.replace(cpu, device_type="meta")
+    calls: list[tuple[torch.Tensor, object]] = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: calls.append((self, stream)))
+    stream = cpu.device_module.current_stream()
+    dev, host = torch.empty(4, device="meta"), torch.empty(4)
+    for backend in (acc, cpu):
+        PerTensorTransfer(backend, torch.device(backend.device_type)).release(dev, stream)
+        backend.record_stream(host, stream)
+    assert len(calls) == 1 and calls[0][0] is dev and calls[0][1] is stream

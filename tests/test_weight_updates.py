@@ -21,6 +21,8 @@ import magi_core
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
 from magi_core.execute import executor as executor_mod
 from magi_core.execute.freshness import WeightWatch
+from magi_core.execute.residency import ResidentSet, ResidentStore
+from magi_core.plugin.manager import get_backend
 
 SPEC = TransformerSpec(layers=3, hidden=32, heads=2)
 
@@ -172,6 +174,29 @@ def test_watch_reports_exactly_what_changed() -> None:
     a2 = arena[1024:2048].view(torch.float32)  # another view of a's base: an edit of it moves a's version too
     a2.add_(1.0)
     assert w.changed(args) == {0}  # over-reporting is safe (a re-copy); missing a change is not
+
+
+def test_resident_copy_follows_its_host_tensor_without_a_change_notice() -> None:
+    # ResidentSet re-copies by itself when the tensor passed in is another object or its storage moved; the
+    # executor's change set (``changed``) only adds in-place edits of the same storage
+    backend = get_backend()
+    transfer = CloningTransfer(backend, backend.device())
+    store = ResidentStore()
+    resident = ResidentSet(store, backend.device(), (1,))
+    compute = backend.device_module.current_stream()
+    p = nn.Parameter(torch.ones(4))
+    env: list[Any] = [None, None]
+    for step, value in (("first", 1.0), ("unchanged", 1.0), ("data", 2.0), ("new", 3.0)):
+        if step == "data":
+            p.data = torch.full((4,), 2.0)  # new storage, same Parameter object
+        elif step == "new":
+            p = nn.Parameter(torch.full((4,), 3.0))  # another object
+        resident.fill([None, p], env, transfer, compute)  # no change set: the executor's watch is not asked
+        assert torch.equal(env[1].cpu(), torch.full((4,), value)), step
+        assert env[1].data_ptr() != p.data_ptr()  # a real copy (CloningTransfer), not the host tensor itself
+    assert resident.copies == 3 and len(store) == 1  # the copies of replaced host tensors were released
+    resident.close(transfer, compute)
+    assert len(store) == 0
 
 
 def test_sparse_edit_through_data_is_seen_after_weights_changed(shm_dir: str) -> None:

@@ -336,8 +336,8 @@ def test_host_register_range_another_component_pinned(magi_backend: Backend) -> 
         magi_backend.host_register(ptr, nbytes)
     except HostRegisterError:
         # the runtime may refuse memory another allocator pinned its own way (CUDA answers 1, invalid value, for
-        # cudaHostAlloc'd memory; 712 for memory registered with cudaHostRegister): a clear error is fine, as long
-        # as nothing is left pending and the other component's pinning stays
+        # memory its pinned allocator allocated; 712 for memory that allocator registered): a clear error is fine,
+        # as long as nothing is left pending and the other component's pinning stays
         _kernel_after(magi_backend, "a refused register of memory another component had pinned")
         assert _pinned(magi_backend, p), "magi_host_register: a refused register unpinned another component's memory"
         _copy_matches(magi_backend, p, "memory another component pinned")

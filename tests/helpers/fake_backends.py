@@ -13,10 +13,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import importlib_metadata
 
 #: Environment variables the subprocess must not inherit (they change selection or logging).
 _SCRUBBED_ENV = ("MAGI_BACKEND", "MAGI_TRACE_HOOKS")
@@ -73,8 +76,12 @@ def backend_source(
     probe_raises: str | None = None,
     omit: Iterable[str] = (),
     extra: str = "",
+    aliases: Sequence[str] = ("to",),
 ) -> str:
-    """Source of a backend module whose hooks behave as told (device module: magi-core's host module)."""
+    """Source of a backend module whose hooks behave as told (device module: magi-core's host module).
+
+    ``aliases``: what its ``magi_to_method_aliases`` returns (``("to", "orig_to")``: as torch_musa's backend).
+    """
     omit = set(omit)
     probe_body = (
         f"raise RuntimeError({probe_raises!r})"
@@ -90,7 +97,7 @@ def backend_source(
         "magi_host_unregister": ("ptr", "del RANGES[ptr]"),
         "magi_range_push": ("name", "STACK.append(name)"),
         "magi_range_pop": ("", "STACK.pop()"),
-        "magi_to_method_aliases": ("", "return ('to',)"),
+        "magi_to_method_aliases": ("", f"return {tuple(aliases)!r}"),
     }
     parts = [
         "from magi_core.plugin.cpu import device as cpu_device",
@@ -114,6 +121,33 @@ def add_backend(root: Path, name: str, package: str | None = None, **kwargs: Any
         {module: backend_source(**kwargs)},
         {name: module},
     )
+
+
+def load_in_process(monkeypatch: Any, name: str, **kwargs: Any) -> importlib_metadata.EntryPoint:
+    """Import fake backend ``name`` (module ``fake_<name>``, :func:`backend_source` of ``kwargs``) into this process.
+
+    Returns an entry point (group ``magi.backends``) that loads it; hand it to a registry's discovery (see
+    ``discover_also``) to test selection in-process, without the cost of a subprocess. The module is removed
+    from ``sys.modules`` when the test ends (``monkeypatch``).
+    """
+    module = f"fake_{name}"
+    mod = types.ModuleType(module)
+    exec(compile(backend_source(**kwargs), f"<{module}>", "exec"), mod.__dict__)  # noqa: S102 - test source
+    monkeypatch.setitem(sys.modules, module, mod)
+    return importlib_metadata.EntryPoint(name=name, value=module, group="magi.backends")
+
+
+def discover_also(monkeypatch: Any, *eps: importlib_metadata.EntryPoint) -> None:
+    """Make backend discovery (``magi.backends`` entry points) find ``eps`` besides the installed backends."""
+    from magi_core.plugin import manager
+
+    real = importlib_metadata.entry_points
+
+    def entry_points(**params: Any) -> Any:
+        found = list(real(**params))
+        return [*found, *eps] if params.get("group") == "magi.backends" else found
+
+    monkeypatch.setattr(manager.importlib_metadata, "entry_points", entry_points)
 
 
 #: Prelude that makes torch report an accelerator ``{name}`` (PrivateUse1 renamed, stub device module).

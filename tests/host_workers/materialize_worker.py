@@ -9,6 +9,8 @@ Writes ``<out>/rank<R>.json`` with what the test checks. Scenarios:
              fingerprint cannot see it): error expected, then on_mismatch='per_rank'
 ``write``    EP 1, identical weights: after materialising, rank 0 writes in place into a parameter and a
              buffer (``--shared-writes copy_on_write``: itself; read_only: in forked children, which die)
+``tamper``   EP 1, identical weights, but the shared file is rewritten (every byte inverted) after the writer's
+             copy, just before rank 1 opens it: error expected, then a clean run with on_mismatch='per_rank'
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from magi_core import get_backend
-from magi_core.host import HostOptions, materialize
+from magi_core.host import HostOptions, materialize, shm
 from magi_core.host.memstat import process_memory
 from magi_core.plugin.cpu import registered_ranges
 
@@ -80,6 +82,19 @@ def privatising_backend() -> Any:
         real.host_register(ptr, nbytes)
 
     return dataclasses.replace(real, _register=register)
+
+
+def tampering_open(real: Callable[..., int]) -> Callable[..., int]:
+    """``shm.open_existing`` after another process rewrote the file (every byte inverted) since the writer's copy."""
+
+    def open_existing(path: str, nbytes: int, **kwargs: Any) -> int:
+        with open(path, "r+b") as f:
+            data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+            f.seek(0)
+            f.write(data.bitwise_not().numpy().tobytes())
+        return real(path, nbytes, **kwargs)
+
+    return open_existing
 
 
 def _in_child(fn: Callable[[], None]) -> int:
@@ -164,15 +179,20 @@ def main() -> None:
     opts = HostOptions(_unsafe_share_across_ranks=args.unsafe, progress=False, shared_writes=args.shared_writes,
                        verify_shared=args.verify)
     hw = None
-    if args.scenario in ("mismatch", "sparse"):
+    if args.scenario in ("mismatch", "sparse", "tamper"):
         ptr_before = model.experts.data_ptr()
         state_before = {k: digest(v) for k, v in model.state_dict().items()}
+        real_open = shm.open_existing
+        if args.scenario == "tamper" and rank == 1:
+            shm.open_existing = tampering_open(real_open)  # type: ignore[assignment]
         try:
             hw = materialize(model, options=opts, on_progress=on_progress)
             rec["error"] = None
         except Exception as exc:
             rec["error"] = type(exc).__name__
             rec["message"] = str(exc)
+        finally:
+            shm.open_existing = real_open  # type: ignore[assignment]
         rec["unchanged_after_error"] = (model.experts.data_ptr() == ptr_before
                                         and digest(model.experts) == rec["experts_before"])
         rec["values_unchanged_after_error"] = {k: digest(v) for k, v in model.state_dict().items()} == state_before

@@ -20,12 +20,12 @@ sys.path.insert(0, sys.argv[1])  # the tests directory
 from test_executor_models import TiedLM  # noqa: E402
 
 
-def steady_facts(f, args, ex, base0: int) -> dict:
-    """Run one steady-state step with a fresh log and compare the copies with the executor's action lists."""
+def steady_facts(f, args, ex, base0: int, ref: torch.Tensor) -> dict:
+    """Run one steady-state step with a fresh log: its output against eager, its copies against the action lists."""
     acts = ex.actions
     device.LOG.clear()
     device.reset_peak_memory_stats()
-    f(*args)
+    out = f(*args)
     log = list(device.LOG)
     launches = 0
     copies = []  # (units launched before the copy, nbytes, src ptr, stream, non_blocking)
@@ -66,6 +66,7 @@ def steady_facts(f, args, ex, base0: int) -> dict:
             gates.append(gate)
     largest = sorted((u.nbytes for u in ex.units), reverse=True)[:2]
     return {
+        "match": bool(torch.allclose(out, ref, rtol=1e-5, atol=1e-5)),
         "copies": [[c[0], c[1]] for c in copies],
         "expected": [list(x) for x in expected],
         "distinct_sources": len({c[2] for c in copies}) == len(copies),
@@ -101,8 +102,8 @@ def run(name: str, model: torch.nn.Module, args: tuple, policy: str, ratio: floa
     first = [e for e in device.LOG if e[0] == "copy"]
     rt = h.runtime
     ex = rt.executor
-    facts1 = steady_facts(f, args, ex, base0)
-    facts2 = steady_facts(f, args, ex, base0)
+    facts1 = steady_facts(f, args, ex, base0, ref)
+    facts2 = steady_facts(f, args, ex, base0, ref)
     return {
         "model": name,
         "policy": policy,

@@ -1,0 +1,261 @@
+"""Mutation check (issue 19): apply one plausible bug at a time to a scratch copy and run the tests that must catch it.
+
+Not collected by pytest (no ``test_`` prefix). For each mutation: the repository is copied (without ``.git``,
+``.tox`` and caches) to a temporary directory, one exact string replacement is made in the copy (the script
+stops if the string is not found exactly ``count`` times, so a refactor cannot silently turn a mutation into a
+no-op), and the named test files run there with the copy first on ``PYTHONPATH`` (the copy's ``magi_core`` and
+its ``examples/privateuse1`` are imported: checked before each run). Suites run in the order given, as the tox
+envs run them (``core``: the CPU backend; ``privateuse1``: the emulated magidev device with the stream-order
+checker plugin), and stop at the first that fails. A mutation is *caught* when a suite exits with pytest's
+"tests failed" status (1); any other status but 0 is reported as an error.
+
+    python tests/mutations/run_mutations.py              # every mutation
+    python tests/mutations/run_mutations.py a d          # some of them
+    python tests/mutations/run_mutations.py --baseline   # the same suites on an unmutated copy: must pass
+    python tests/mutations/run_mutations.py --list       # what each mutation does
+
+Exit status 0 when every mutation asked for was caught (``--baseline``: when every suite passed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+IGNORED = (".git", ".tox", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", ".mypy_cache",
+           ".ruff_cache", ".venv", "dist", ".whl")
+
+#: Environment of each suite (on top of the caller's, with MAGI_* cleared), as tox.ini sets it.
+ENVS: dict[str, dict[str, str]] = {
+    "core": {},
+    "privateuse1": {"MAGI_BACKEND": "magidev", "MAGI_OFFLOAD_UNIT_COMPILER": "eager",
+                    "MAGI_OFFLOAD_BANDWIDTH_PROBE_BYTES": "16MiB"},
+}
+#: Extra pytest arguments of each suite, as tox.ini runs it: the core env has no MUSA backend, so its ``emulated``
+#: tests skip there (they run in the musa env); privateuse1 fails tests that leave stream-order violations.
+PYTEST_ARGS: dict[str, tuple[str, ...]] = {"core": ("-m", "not emulated"),
+                                           "privateuse1": ("-p", "torch_magidev.pytest_plugin")}
+
+EXECUTOR_PU1 = ("tests/test_executor.py", "tests/test_executor_models.py", "tests/test_offload_api.py",
+                "tests/test_executor_device_inputs.py", "tests/test_handle.py", "tests/test_weight_updates.py")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One plausible bug: replace ``old`` by ``new`` in ``path`` (``count`` occurrences), then run ``suites``."""
+
+    key: str
+    what: str
+    path: str
+    old: str
+    new: str
+    #: env name -> test paths, run in this order; the first failing suite catches the mutation.
+    suites: tuple[tuple[str, tuple[str, ...]], ...]
+    count: int = 1
+    extra: tuple[tuple[str, str, str], ...] = field(default=())  # further (path, old, new) edits of the same bug
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "a", "executor: the per-weight release after its last use (record_stream on the compute stream) is dropped",
+        "magi_core/execute/executor.py",
+        "                release(env[w], compute)\n                env[w] = None\n",
+        "                env[w] = None\n",
+        (("core", ("tests/test_transfer.py", "tests/test_executor.py")), ("privateuse1", EXECUTOR_PU1)),
+    ),
+    Mutation(
+        "b", "facade: Backend.record_stream does nothing",
+        "magi_core/plugin/facade.py",
+        "        if tensor.device.type == self.device_type and self.is_accelerator:\n"
+        "            tensor.record_stream(stream)\n",
+        "        return None\n",
+        (("core", ("tests/test_transfer.py",)), ("privateuse1", EXECUTOR_PU1)),
+    ),
+    Mutation(
+        "c", "residency: a resident copy is not re-acquired when its host tensor is replaced (identity/pointer check "
+        "skipped in ResidentSet.fill)",
+        "magi_core/execute/residency.py",
+        "            if h is not hosts[k] or h.data_ptr() != ptrs[k]:\n",
+        "            if hosts[k] is None:\n",
+        (("core", ("tests/test_weight_updates.py", "tests/test_executor_recording.py")),
+         ("privateuse1", EXECUTOR_PU1)),
+    ),
+    Mutation(
+        "d", "executor: a prefetch carried over from the previous call is reused without checking its host tensors",
+        "magi_core/execute/executor.py",
+        "            if c is not None and not changed.intersection(ws) and all(\n"
+        "                args[w] is h and h.data_ptr() == p for w, h, p in zip(ws, c.hosts, c.ptrs, strict=True)\n"
+        "            ):\n",
+        "            if c is not None:\n",
+        (("core", ("tests/test_weight_updates.py", "tests/test_executor_recording.py")), ("privateuse1", EXECUTOR_PU1)),
+    ),
+    Mutation(
+        "e", "manager: the facade ignores the backend's to-method aliases and uses ('to',)",
+        "magi_core/plugin/manager.py",
+        'aliases = tuple(raw_aliases) if raw_aliases else ("to",)',
+        'aliases = ("to",)',
+        (("core", ("tests/test_registry.py", "tests/test_device_placement.py")),),
+    ),
+    Mutation(
+        "f1", "materialize: a reader rank skips its full check of the shared file (every byte)",
+        "magi_core/host/materialize.py",
+        "differing = self._verify(hw, arenas, total)",
+        "differing = []",
+        (("core", ("tests/test_host_distributed.py",)),),
+    ),
+    Mutation(
+        "f2", "materialize: a reader rank skips its sampled check of the shared file (verify_shared='sampled')",
+        "magi_core/host/materialize.py",
+        "self._check_sampled(hw, arenas, own_fps)",
+        "pass",
+        (("core", ("tests/test_host_distributed.py",)),),
+    ),
+    Mutation(
+        "f3", "shm: a reader opens the shared file without checking its type, owner, mode and size",
+        "magi_core/host/shm.py",
+        "    if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077\n"
+        "            or st.st_size != nbytes):\n",
+        "    if False:\n",
+        (("core", ("tests/test_host_shm.py",)),),
+    ),
+    Mutation(
+        "f4", "shm: stale-file cleanup forgets to check the file's owner uid",
+        "magi_core/host/shm.py",
+        "if not stat.S_ISREG(lst.st_mode) or lst.st_uid != uid:",
+        "if not stat.S_ISREG(lst.st_mode):",
+        (("core", ("tests/test_host_shm.py",)),),
+    ),
+    Mutation(
+        "f5", "shm: stale-file cleanup forgets to check the file's type (a symlink, a fifo)",
+        "magi_core/host/shm.py",
+        "if not stat.S_ISREG(lst.st_mode) or lst.st_uid != uid:",
+        "if lst.st_uid != uid:",
+        (("core", ("tests/test_host_shm.py",)),),
+    ),
+    Mutation(
+        "g", "device placement: a lifted host scalar's .to(cpu) is rewritten to the device",
+        "magi_core/passes/device_placement.py",
+        "            return False  # a host scalar moved to the host: leave it\n",
+        "            pass  # mutated: the host scalar's .to(cpu) is rewritten too\n",
+        (("core", ("tests/test_passes_properties.py",)),),
+    ),
+)
+
+
+def copy_repo(dest: Path) -> None:
+    """The working tree (tracked and untracked files, no caches or tox envs) under ``dest``."""
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(*IGNORED), symlinks=True)
+
+
+def apply(copy: Path, m: Mutation) -> None:
+    """Make the mutation's edits in the copy; refuse when a string is not found exactly as often as expected."""
+    for path, old, new, count in ((m.path, m.old, m.new, m.count), *((p, o, n, 1) for p, o, n in m.extra)):
+        f = copy / path
+        text = f.read_text()
+        found = text.count(old)
+        if found != count:
+            raise SystemExit(f"mutation {m.key}: expected {count} occurrence(s) of the string in {path}, found "
+                             f"{found}; update tests/mutations/run_mutations.py to the current code")
+        f.write_text(text.replace(old, new))
+
+
+def env_for(copy: Path, name: str) -> dict[str, str]:
+    """The caller's environment with MAGI_* cleared, the copy first on PYTHONPATH and the suite's variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAGI_")}
+    paths = [str(copy), str(copy / "examples" / "privateuse1")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update({"PYTHONDONTWRITEBYTECODE": "1", "HYPOTHESIS_PROFILE": "ci"})
+    env.update(ENVS[name])
+    return env
+
+
+def check_imports(copy: Path, env: dict[str, str]) -> None:
+    """Fail loudly unless the copy's magi_core and torch_magidev are the ones imported."""
+    code = "import magi_core, torch_magidev; print(magi_core.__file__); print(torch_magidev.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=copy, capture_output=True, text=True)
+    files = out.stdout.split()
+    if out.returncode or len(files) != 2 or not all(Path(f).resolve().is_relative_to(copy.resolve()) for f in files):
+        raise SystemExit(f"the copy's packages are not the ones imported from {copy}: {out.stdout}{out.stderr}")
+
+
+def run_suite(copy: Path, name: str, tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
+    """pytest ``tests`` in the copy under env ``name``: (exit status, seconds, the last lines of its output)."""
+    env = env_for(copy, name)
+    check_imports(copy, env)
+    argv = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *PYTEST_ARGS[name], *tests]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(argv, env=env, cwd=copy, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, time.monotonic() - t0, "timed out"
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    return proc.returncode, time.monotonic() - t0, "\n".join(failed[:3] or lines[-1:])
+
+
+def check(m: Mutation | None, suites: tuple[tuple[str, tuple[str, ...]], ...], timeout: float, keep: bool) -> bool:
+    """Run one mutation (None: the baseline) and print a report line per suite; True when it came out right."""
+    copy = Path(tempfile.mkdtemp(prefix=f"magi-mut-{m.key if m else 'base'}-")) / "repo"
+    try:
+        copy_repo(copy)
+        if m is not None:
+            apply(copy, m)
+        for name, tests in suites:
+            rc, seconds, tail = run_suite(copy, name, tests, timeout)
+            label = m.key if m else "baseline"
+            verdict = ("passed" if rc == 0 else f"FAILED (exit {rc})") if m is None else (
+                "caught" if rc == 1 else "missed" if rc == 0 else f"ERROR (exit {rc})")
+            print(f"{label:8} {name:11} {verdict:16} {seconds:6.1f}s  {' '.join(tests)}", flush=True)
+            if tail and (m is None and rc != 0 or m is not None and rc == 1):
+                print("         " + tail.replace("\n", "\n         "), flush=True)
+            if m is None and rc != 0:
+                return False
+            if m is not None and rc != 0:
+                return rc == 1
+        return m is None
+    finally:
+        if keep:
+            print(f"         kept {copy}")
+        else:
+            shutil.rmtree(copy.parent, ignore_errors=True)
+
+
+def main() -> int:
+    """Command line: run the mutations asked for (all by default) and report caught / missed."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("keys", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--baseline", action="store_true", help="run the suites on an unmutated copy instead")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per suite (default 900)")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.keys or m.key in args.keys]
+    unknown = set(args.keys) - {m.key for m in MUTATIONS}
+    if unknown:
+        parser.error(f"unknown mutation(s) {sorted(unknown)}; known: {[m.key for m in MUTATIONS]}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.key:3} {m.what}\n    {m.path}; " + "; ".join(f"{e}: {' '.join(t)}" for e, t in m.suites))
+        return 0
+    if args.baseline:
+        suites = tuple(dict.fromkeys((e, t) for m in chosen for e, t in m.suites))
+        return 0 if check(None, suites, args.timeout, args.keep) else 1
+    results = {m.key: check(m, m.suites, args.timeout, args.keep) for m in chosen}
+    missed = [k for k, ok in results.items() if not ok]
+    print(f"{len(results) - len(missed)}/{len(results)} mutations caught" + (f"; not caught: {missed}" if missed
+                                                                              else ""))
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
