@@ -203,3 +203,12 @@ def test_a_covered_range_moves_to_another_holder_when_its_parent_goes() -> None:
     assert rt.calls == [*calls, "register"] and table.origins() == {ptr + 4096: "registered"}
     table.unregister(ptr + 4096)
     assert rt.pinned == {} and table.ranges() == {}
+
+
+def test_loaded_libraries_finds_only_what_is_mapped() -> None:
+    """The helper backends use to reach their runtime's error drain: libraries already mapped, none loaded anew."""
+    from magi_core.plugin import loaded_libraries
+
+    libc = loaded_libraries("libc.so") or loaded_libraries("libc-")
+    assert libc and all(hasattr(lib, "getpid") for lib in libc)
+    assert loaded_libraries("libmagi_no_such_runtime") == []

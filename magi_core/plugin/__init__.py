@@ -19,7 +19,13 @@ from __future__ import annotations
 import pluggy
 
 from magi_core.errors import BackendError, HostRegisterError, MagiError
-from magi_core.plugin.host_ranges import ALREADY_REGISTERED, NOT_REGISTERED, SUCCESS, HostRangeTable
+from magi_core.plugin.host_ranges import (
+    ALREADY_REGISTERED,
+    NOT_REGISTERED,
+    SUCCESS,
+    HostRangeTable,
+    loaded_libraries,
+)
 from magi_core.plugin.spec import (
     DEVICE_MODULE_EXPECTED,
     DEVICE_MODULE_REQUIRED,
@@ -50,4 +56,5 @@ __all__ = [
     "MagiError",
     "ProbeResult",
     "hookimpl",
+    "loaded_libraries",
 ]

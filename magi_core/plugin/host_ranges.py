@@ -212,3 +212,38 @@ class HostRangeTable:
         """How each held range is held (ptr -> ``"registered"``, ``"found"`` or ``"covered"``)."""
         with self._lock:
             return {ptr: held.origin for ptr, held in self._held.items()}
+
+
+def loaded_libraries(prefix: str) -> list[Any]:
+    """``ctypes`` handles to every shared library whose file name starts with ``prefix`` and that this process
+    has already mapped (read from ``/proc/self/maps``, opened with ``RTLD_NOLOAD``: nothing is loaded anew).
+
+    For a backend's ``clear_error``: the runtime's ``...GetLastError`` must be called on the runtime instance
+    torch loaded, never on a second copy (which would have its own pending errors) nor on another vendor's.
+    """
+    import ctypes
+    import os
+
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(None, 5)
+                if len(parts) < 6:
+                    continue
+                path = parts[5].strip().removesuffix(" (deleted)")
+                if os.path.basename(path).startswith(prefix) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        return []
+    handles: list[Any] = []
+    seen: set[int] = set()
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        if lib._handle not in seen:
+            seen.add(lib._handle)
+            handles.append(lib)
+    return handles

@@ -16,12 +16,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from typing import Any
 
 import torch
 
-from magi_core.plugin import HostRangeTable
+from magi_core.plugin import HostRangeTable, loaded_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -45,25 +44,12 @@ def error_text(rt: Any, err: Any) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _loaded_runtimes() -> tuple[Any, ...]:
-    """Handles to every CUDA runtime instance already mapped into this process (none is loaded anew)."""
-    paths: list[str] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                parts = line.split(None, 5)
-                if len(parts) < 6:
-                    continue
-                path = parts[5].strip().removesuffix(" (deleted)")
-                if os.path.basename(path).startswith("libcudart") and path not in paths:
-                    paths.append(path)
-    except OSError:
-        return ()
+    """``cudaGetLastError`` of every CUDA runtime instance already mapped into this process (none is loaded anew)."""
     handles = []
-    for path in paths:
+    for lib in loaded_libraries("libcudart"):
         try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             fn = lib.cudaGetLastError
-        except (OSError, AttributeError):
+        except AttributeError:
             continue
         fn.restype = ctypes.c_int
         fn.argtypes = []

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from magi_core.plugin import BackendError, HostRangeTable
+from magi_core.plugin import BackendError, HostRangeTable, loaded_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -149,30 +149,12 @@ def loaded_libmusart() -> tuple[Any, ...]:
     ``libmusart.so`` as the dynamic linker knows it; each is opened with ``RTLD_NOLOAD``, which only returns a
     library already loaded. Tests replace this function to hand in an emulated library.
     """
-    names: list[str] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                parts = line.split(None, 5)
-                if len(parts) < 6:
-                    continue
-                path = parts[5].strip().removesuffix(" (deleted)")
-                if os.path.basename(path).startswith("libmusart") and path not in names:
-                    names.append(path)
-    except OSError:
-        pass
-    names.append("libmusart.so")
-    handles: list[Any] = []
-    seen: set[int] = set()
-    for name in names:
+    handles = loaded_libraries("libmusart")
+    if not handles:  # mapped under a name /proc does not show (or no /proc): ask the dynamic linker by name
         try:
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            handles.append(ctypes.CDLL("libmusart.so", mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
         except OSError:
-            continue
-        if lib._handle in seen:
-            continue
-        seen.add(lib._handle)
-        handles.append(lib)
+            pass
     return tuple(handles)
 
 
