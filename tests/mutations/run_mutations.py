@@ -91,10 +91,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "d", "executor: a prefetch carried over from the previous call is reused without checking its host tensors",
         "magi_core/execute/executor.py",
-        "            if c is not None and not changed.intersection(ws) and all(\n"
-        "                args[w] is h and h.data_ptr() == p for w, h, p in zip(ws, c.hosts, c.ptrs, strict=True)\n"
-        "            ):\n",
-        "            if c is not None:\n",
+        "            if c is not None and not changed.intersection(ws):",
+        "            if c is not None:",
         (("core", ("tests/test_weight_updates.py", "tests/test_executor_recording.py")), ("privateuse1", EXECUTOR_PU1)),
     ),
     Mutation(
