@@ -190,8 +190,8 @@ def main() -> int:
         gc.collect()
         torch._dynamo.reset()
         # everything streamed: the executor's host work per step, without the time it blocks on copies,
-        # with one copy per unit span (the default) and with one copy per weight
-        for kind in ("span", "per_tensor"):
+        # with one copy per unit into the planned device buffer (the default) and with one copy per weight
+        for kind in ("unit", "per_tensor"):
             gc.collect()
             torch._dynamo.reset()
             cfg = OffloadConfig(gpu_resident_weight_ratio=0.0, unit_compiler="auto", transfer=kind)
@@ -199,7 +199,7 @@ def main() -> int:
             for _ in range(4):
                 m(x)
             ex = magi_core.handle(m).runtime.executor
-            pre = "ratio0" if kind == "span" else "ratio0_per_tensor"
+            pre = "ratio0" if kind == "unit" else "ratio0_per_tensor"
             res[f"{pre}_direct_units"] = sum(bool(d) for d in ex.direct_units)
             ex.measure_host_waits = True
             totals, blocked = [], []

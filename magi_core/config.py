@@ -44,8 +44,9 @@ DEFAULT_PROBE_BYTES_ACCELERATOR = GIB
 DEFAULT_PROBE_BYTES_CPU = 16 * MIB
 #: Values of ``OffloadConfig.unit_compiler``.
 UNIT_COMPILERS = ("auto", "inductor", "eager")
-#: How streamed weights are copied: one copy per unit's arena span (a view per weight), or one per weight.
-TRANSFERS = ("per_tensor", "span")
+#: How streamed weights are copied: "auto" (by backend kind), one copy per unit into a planned device buffer,
+#: or one copy per weight.
+TRANSFERS = ("auto", "unit", "per_tensor")
 
 
 class Policy(str, Enum):
@@ -97,10 +98,10 @@ class OffloadConfig:
     ``direct_unit_calls``: call each Inductor unit's generated code without the Dynamo / AOT wrapper layers
     (verified per unit on its first call, see :func:`magi_core.execute.unit_compile.direct_call`); False
     keeps the wrapped calls (``MAGI_OFFLOAD_DIRECT_UNIT_CALLS=0``).
-    ``transfer``: "per_tensor" (default: one copy per weight) or "span" (each copy batch is one copy of the
-    arena span holding its weights, with a view per weight; per-weight copies where the weights do not form a
-    tight span), see :mod:`magi_core.execute.transfer`. On an H200 one span copy cost the host as much as
-    the per-weight copies it replaced (the copy call's host time grows with its bytes), so "span" is opt-in.
+    ``transfer``: "auto" (default: "unit" on accelerators, "per_tensor" on the host backend), "unit" (each
+    unit's streamed weights are one copy per host storage into a fixed place of one device buffer planned for
+    the step, with views made once: no allocation and one copy call per unit) or "per_tensor" (one copy per
+    weight, each allocated from the device's caching allocator), see :mod:`magi_core.execute.transfer`.
 
     Every field can also come from ``MAGI_OFFLOAD_<FIELD>`` (e.g. ``MAGI_OFFLOAD_POLICY=base``), but only where
     the code left the default: the config records which fields were passed to the constructor
@@ -120,7 +121,7 @@ class OffloadConfig:
     max_unit_bytes: int | None = None
     bandwidth_probe_bytes: int | None = None
     direct_unit_calls: bool = True
-    transfer: str = "per_tensor"
+    transfer: str = "auto"
     #: True on configs returned by :func:`resolve_config` (environment applied); set per instance, never
     #: compared, and not carried over by :meth:`replace`.
     _resolved: ClassVar[bool] = False

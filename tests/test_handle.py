@@ -111,9 +111,11 @@ class HalfPriceTransfer(PerTensorTransfer):
         super().__init__(*a, **k)
         self.fetched: list[int] = []
 
-    def fetch(self, hosts: Sequence[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
+    def fetch(
+        self, hosts: Sequence[torch.Tensor], event: Any = None, batch: int | None = None
+    ) -> tuple[list[torch.Tensor], Any]:
         self.fetched.append(len(hosts))
-        return super().fetch(hosts, event)
+        return super().fetch(hosts, event, batch)
 
     def nbytes(self, sizes: Sequence[int]) -> int:
         return sum(sizes) // 2

@@ -1,16 +1,19 @@
-"""Weight transfers: one copy per weight, or one copy per arena span with a view per weight."""
+"""Weight transfers: one copy per weight, or one copy per unit into a planned device buffer with a view per weight."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers.copying import CopyingSpanTransfer
+from hypothesis import given
+from hypothesis import strategies as st
 from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 
 import magi_core
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
-from magi_core.execute import executor as executor_mod
-from magi_core.execute.transfer import PerTensorTransfer, SpanTransfer, plan_span
+from magi_core.execute.actions import StepActions, batch_lifetimes
+from magi_core.execute.executor import make_transfer
+from magi_core.execute.transfer import PerTensorTransfer, UnitTransfer
+from magi_core.plan.packing import overlaps, pack
 from magi_core.plugin.manager import get_backend
 
 SPEC = TransformerSpec(layers=3, hidden=32, heads=2)
@@ -31,52 +34,148 @@ def _arena(*shapes: tuple[int, ...], gap: int = 64, dtype: torch.dtype = torch.f
     return out
 
 
-def test_span_covers_a_batch_of_one_arena_with_its_gaps() -> None:
-    ws = _arena((8, 4), (16,), (3, 5))
-    plan = plan_span(ws)
-    assert plan is not None
-    assert plan.host.numel() == ws[-1].data_ptr() + ws[-1].nbytes - ws[0].data_ptr()
-    t = SpanTransfer(get_backend(), get_backend().device())
-    outs, _ = t.fetch(ws)
+def _actions(batches: list[tuple[int, ...]], free: list[tuple[int, ...]], issue: list[tuple[int, ...]],
+             start: tuple[int, ...] = (), carry: tuple[int, ...] = ()) -> StepActions:
+    return StepActions(resident=(), batches=tuple(batches), batch_unit=tuple(range(len(batches))), start=start,
+                       carry=carry, issue=tuple(issue), wait=tuple(() for _ in issue), free=tuple(free),
+                       streamed_bytes=0, resident_bytes=0)
+
+
+def test_batch_lifetimes_run_from_issue_to_last_use_and_wrap_for_carried_batches() -> None:
+    # 3 units; batch 0 (weights 0, 1) carried into the step, weight 1 also used by unit 2; batch 1 issued at
+    # unit 0 for unit 1; batch 2 issued at start for unit 2.
+    acts = _actions([(0, 1), (2,), (3,)], free=[(0,), (2,), (1, 3)], issue=[(1,), (), ()], start=(0, 2), carry=(0,))
+    assert batch_lifetimes(acts) == [((0, 5), (4, 5)), ((0, 3),), ((0, 5),)]
+    acts = _actions([(0,), (1,)], free=[(0,), (1,)], issue=[(0,), (1,)])
+    assert batch_lifetimes(acts) == [((0, 1),), ((2, 3),)]  # disjoint: the two may share bytes
+
+
+def test_packing_shares_bytes_only_between_batches_alive_at_different_times() -> None:
+    p = pack([100, 100, 300], [((0, 1),), ((2, 3),), ((1, 2),)], alignment=64)
+    assert p.offsets[0] == p.offsets[1]  # never alive together: same place
+    assert p.offsets[2] == 0 and p.offsets[0] >= 320  # the big one first; the others after it
+    assert p.total == p.offsets[0] + 128 and p.shares_with == ((1,), (0,), ())
+    with pytest.raises(ValueError, match="alignment"):
+        pack([1], [((0, 0),)], alignment=48)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 20), st.integers(0, 6), st.booleans()),
+                min_size=1, max_size=24))
+def test_packing_never_overlaps_live_batches(batches: list[tuple[int, int, int, bool]]) -> None:
+    sizes = [b[0] for b in batches]
+    lives = [((s, s + d),) if not wrap else ((0, d), (20, 21)) for _, s, d, wrap in batches]
+    p = pack(sizes, lives, alignment=256)
+    assert all(o % 256 == 0 for o in p.offsets) and p.total % 256 == 0
+    peak = max(sum(sizes[i] for i in range(len(sizes)) if overlaps(lives[i], ((t, t),))) for t in range(28))
+    assert peak <= p.total <= sum(-(-x // 256) * 256 for x in sizes)
+    for i in range(len(sizes)):
+        assert p.offsets[i] + sizes[i] <= p.total
+        for j in range(i):
+            share = sizes[i] and sizes[j] and p.offsets[i] < p.offsets[j] + sizes[j] \
+                and p.offsets[j] < p.offsets[i] + sizes[i]
+            assert not (share and overlaps(lives[i], lives[j])), (i, j)
+            assert bool(share) == (j in p.shares_with[i])
+
+
+def _fetch(t: UnitTransfer, hosts: list[torch.Tensor], batch: int) -> list[torch.Tensor]:
+    """Fetch as the executor does: the copy after the current stream's work, the current stream after the copy."""
+    dm = get_backend().device_module
+    gate = dm.Event()
+    gate.record(dm.current_stream())
+    t.copy_stream.wait_event(gate)
+    outs, ev = t.fetch(hosts, batch=batch)
+    dm.current_stream().wait_event(ev)
+    return outs
+
+
+def _unit_transfer(batches: list[list[torch.Tensor]]) -> UnitTransfer:
+    backend = get_backend()
+    t = UnitTransfer(backend, backend.device())
+    n = len(batches)
+    acts = _actions([tuple(range(10 * b, 10 * b + len(ws))) for b, ws in enumerate(batches)],
+                    free=[tuple(range(10 * b, 10 * b + len(ws))) for b, ws in enumerate(batches)],
+                    issue=[(b,) for b in range(n)])
+    t.set_actions(acts, [[w.nbytes for w in ws] for ws in batches])
+    return t
+
+
+def test_unit_transfer_copies_a_batch_of_one_arena_once_into_its_place() -> None:
+    ws = _arena((8, 4), (16,), (3, 5), gap=0)
+    t = _unit_transfer([ws])
+    assert t.buffer_bytes >= sum(w.nbytes for w in ws)
+    outs = _fetch(t, ws, 0)
     assert t.copy_calls == 1 and t.copies == 3
     for o, w in zip(outs, ws, strict=True):
         assert o.shape == w.shape and o.stride() == w.stride() and o.dtype == w.dtype
-        assert torch.equal(o.cpu(), w)
+        assert o.data_ptr() != w.data_ptr() and torch.equal(o.cpu(), w)  # a real copy, on the CPU too
+    views = [o.data_ptr() for o in outs]
+    for w in ws:
+        w.add_(1.0)
+    for o in outs:
+        t.release(o, None)
+    outs = _fetch(t, ws, 0)  # same place, same views, fresh values
+    assert [o.data_ptr() for o in outs] == views and t.copy_calls == 2
+    assert all(torch.equal(o.cpu(), w) for o, w in zip(outs, ws, strict=True))
 
 
-def test_no_span_for_separate_storages_loose_layouts_or_one_weight() -> None:
-    assert plan_span([torch.randn(4), torch.randn(4)]) is None  # two storages
-    assert plan_span(_arena((4,), (4,), gap=10_000)) is None  # more gap than weights
-    assert plan_span(_arena((4, 4))) is None  # one weight: nothing to merge
-    buf = torch.zeros(64, dtype=torch.uint8)
-    w = [buf[2:4].view(torch.int16), buf[4:20].view(torch.float32)]
-    assert plan_span(w) is None  # the float32 starts 2 bytes into the span: no float32 view of it can hold it
-    t = SpanTransfer(get_backend(), get_backend().device())
-    outs, _ = t.fetch(w)
-    assert t.copy_calls == 2 and all(torch.equal(o.cpu(), x) for o, x in zip(outs, w, strict=True))
+def test_unit_transfer_copies_per_storage_or_per_weight_when_no_tight_span() -> None:
+    a, b = _arena((4, 4), (4,), gap=0), _arena((2, 3), (5,), gap=0, dtype=torch.float64)
+    loose = _arena((4,), (4,), gap=10_000)
+    perm = torch.randn(6, 4).t()  # dense, not contiguous: keeps its strides
+    t = _unit_transfer([[a[0], b[0], a[1], b[1]], loose, [perm]])
+    # (the three batches live one after the other and may share a place: each is checked, then released)
+    outs = _fetch(t, [a[0], b[0], a[1], b[1]], 0)
+    assert t.copy_calls == 2  # one per storage (dtype arena)
+    for o, w in zip(outs, [a[0], b[0], a[1], b[1]], strict=True):
+        assert o.dtype == w.dtype and torch.equal(o.cpu(), w)
+        t.release(o, None)
+    outs = _fetch(t, loose, 1)
+    assert t.copy_calls == 4  # the gap does not fit the place: one copy each
+    assert all(torch.equal(o.cpu(), w) for o, w in zip(outs, loose, strict=True))
+    for o in outs:
+        t.release(o, None)
+    (out,) = _fetch(t, [perm], 2)
+    assert out.stride() == perm.stride() and torch.equal(out.cpu(), perm) and t.fallbacks == 0
 
 
-@pytest.mark.parametrize("policy,ratio", [("BASE", 0.0), ("HEURISTIC", 0.0), ("HEURISTIC", 0.5)])
-def test_offloaded_model_with_span_copies(shm_dir: str, monkeypatch: pytest.MonkeyPatch, policy: str,
-                                          ratio: float) -> None:
-    monkeypatch.setattr(executor_mod, "DEFAULT_TRANSFER", CopyingSpanTransfer)
+def test_unit_transfer_never_writes_a_place_still_in_use() -> None:
+    # Batches 0 and 1 share a place (disjoint lifetimes); fetching 1 before 0 is released allocates instead.
+    w0, w1 = _arena((8,), (8,), gap=0), _arena((8,), (8,), gap=0)
+    t = _unit_transfer([w0, w1])
+    assert t._slots[0].offset == t._slots[1].offset
+    first = _fetch(t, w0, 0)
+    second = _fetch(t, w1, 1)
+    assert t.fallbacks == 1 and all(torch.equal(o.cpu(), w) for o, w in zip(first, w0, strict=True))
+    for o in first:
+        t.release(o, None)
+    _fetch(t, w1, 1)
+    assert t.fallbacks == 1
+    _fetch(t, w0, 0)  # batch 1 was never released (a step failed): allocate, until abort() says so
+    assert t.fallbacks == 2
+    t.abort()
+    _fetch(t, w0, 0)
+    assert t.fallbacks == 2
+
+
+@pytest.mark.parametrize("policy,ratio", [("BASE", 0.0), ("HEURISTIC", 0.0), ("COST_EFFECTIVE", 0.5)])
+def test_offloaded_model_with_one_copy_per_unit(shm_dir: str, policy: str, ratio: float) -> None:
     torch._dynamo.reset()
     model, ref = build_transformer(SPEC), build_transformer(SPEC)
     x = example_input(SPEC, tokens=5)
     magi_core.offload(model, magi_core.OffloadConfig(policy=policy, gpu_resident_weight_ratio=ratio,
-                                                     unit_compiler="eager"))
+                                                     unit_compiler="eager", transfer="unit"))
     try:
         with torch.no_grad():
             for _ in range(4):
                 torch.testing.assert_close(model(x).cpu(), ref(x), rtol=1e-4, atol=1e-4)
             ex = magi_core.handle(model).runtime.executor
-            assert isinstance(ex.transfer, SpanTransfer)
-            calls, copies = ex.transfer.copy_calls, ex.transfer.copies
+            t = ex.transfer
+            assert isinstance(t, UnitTransfer) and ex.actions is not None
+            calls, copies = t.copy_calls, t.copies
             model(x)
-            per_step_calls = ex.transfer.copy_calls - calls
-            per_step_weights = ex.transfer.copies - copies
-            assert per_step_weights > per_step_calls >= 1, "a unit's weights come in one copy, not one each"
-            for m in (model, ref):  # an edit is still seen through span copies
+            assert t.copies - copies > t.copy_calls - calls == len(ex.actions.batches) >= 1  # one copy per batch
+            assert t.fallbacks == 0 and 0 < t.buffer_bytes < 2 * ex.actions.streamed_bytes + 512 * len(t._slots)
+            for m in (model, ref):
                 with torch.no_grad():
                     m.blocks[1].mlp.up.weight.mul_(2.0)  # type: ignore[index, union-attr]
             torch.testing.assert_close(model(x).cpu(), ref(x), rtol=1e-4, atol=1e-4)
@@ -85,7 +184,8 @@ def test_offloaded_model_with_span_copies(shm_dir: str, monkeypatch: pytest.Monk
 
 
 def test_config_chooses_the_transfer(shm_dir: str) -> None:
-    for kind, cls in (("per_tensor", PerTensorTransfer), ("span", SpanTransfer)):
+    auto = UnitTransfer if get_backend().is_accelerator else PerTensorTransfer
+    for kind, cls in (("per_tensor", PerTensorTransfer), ("unit", UnitTransfer), ("auto", auto)):
         torch._dynamo.reset()
         model = build_transformer(SPEC)
         x = example_input(SPEC, tokens=5)
@@ -95,12 +195,24 @@ def test_config_chooses_the_transfer(shm_dir: str) -> None:
                 model(x)
             t = magi_core.handle(model).runtime.executor.transfer
             assert type(t) is cls
-            assert (t.copy_calls == t.copies) == (kind == "per_tensor")
+            assert (t.copy_calls == t.copies) == (cls is PerTensorTransfer)
         finally:
             magi_core.release(model)
-    assert magi_core.OffloadConfig().transfer == "per_tensor"
+    assert magi_core.OffloadConfig().transfer == "auto"
     with pytest.raises(magi_core.ConfigError, match="transfer"):
-        magi_core.OffloadConfig(transfer="bulk")
+        magi_core.OffloadConfig(transfer="span")
+
+
+def test_auto_transfer_is_one_copy_per_unit_on_accelerators_only() -> None:
+    import dataclasses
+
+    cpu = get_backend()
+    if cpu.is_accelerator:
+        pytest.skip("builds an accelerator facade from the CPU backend's")
+    acc = dataclasses.replace(cpu, device_type="meta")
+    assert type(make_transfer("auto", acc, torch.device("meta"))) is UnitTransfer
+    assert type(make_transfer(None, cpu, torch.device("cpu"))) is PerTensorTransfer
+    assert type(make_transfer("per_tensor", acc, torch.device("meta"))) is PerTensorTransfer
 
 
 def test_release_hands_device_tensors_to_record_stream_and_host_tensors_to_nobody(

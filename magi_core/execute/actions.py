@@ -163,3 +163,30 @@ def unit_profiles(
         )
         for i in range(len(units))
     ]
+
+
+def batch_lifetimes(actions: StepActions) -> list[tuple[tuple[int, int], ...]]:
+    """Per copy batch, when its device copy is alive within a step (time ``2u`` is the moment unit ``u``'s
+    copies are issued, ``2u + 1`` unit ``u`` itself); a carried batch is also alive from the last unit on.
+
+    Batches issued at step start begin at time 0; every batch ends with the last unit using one of its weights.
+    """
+    n = len(actions.issue)
+    last: dict[int, int] = {}
+    for u, ws in enumerate(actions.free):
+        for w in ws:
+            last[w] = u
+    issued = dict.fromkeys(actions.start, 0)
+    for u, ids in enumerate(actions.issue):
+        for b in ids:
+            issued[b] = u
+    carried = set(actions.carry)
+    out: list[tuple[tuple[int, int], ...]] = []
+    for b, ws in enumerate(actions.batches):
+        end = 2 * max((last.get(w, actions.batch_unit[b]) for w in ws), default=actions.batch_unit[b]) + 1
+        first = 2 * issued.get(b, actions.batch_unit[b])
+        if b in carried:
+            out.append(((0, end), (2 * (n - 1), 2 * n - 1)))
+        else:
+            out.append(((first, end),))
+    return out

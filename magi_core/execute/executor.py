@@ -21,6 +21,7 @@ at least one full copy before the copy stream drains, so the next copy is always
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from magi_core.execute.freshness import WeightWatch
 from magi_core.execute.inputs import InputPreparer
 from magi_core.execute.program import build_program
 from magi_core.execute.residency import RESIDENT, ResidentSet, ResidentStore
-from magi_core.execute.transfer import PerTensorTransfer, SpanTransfer, WeightTransfer
+from magi_core.execute.transfer import PerTensorTransfer, UnitTransfer, WeightTransfer
 from magi_core.execute.unit_compile import UnitFn, unit_callable
 from magi_core.passes.units import SplitGraph
 from magi_core.plan.contract import Plan
@@ -46,10 +47,23 @@ logger = logging.getLogger(__name__)
 #: copy stream; 2 leaves a unit of slack for host jitter before the copy stream could run dry).
 HOST_LEAD_UNITS = 2
 
-#: The transfer an executor uses unless it is handed one (or another name): one copy per weight.
-DEFAULT_TRANSFER: Callable[[Backend, torch.device], WeightTransfer] = PerTensorTransfer
-#: Transfers by ``OffloadConfig.transfer`` name ("per_tensor" is :data:`DEFAULT_TRANSFER`).
-TRANSFER_KINDS: dict[str, Callable[[Backend, torch.device], WeightTransfer]] = {"span": SpanTransfer}
+#: Transfers by ``OffloadConfig.transfer`` name.
+TRANSFER_KINDS: dict[str, Callable[[Backend, torch.device], WeightTransfer]] = {
+    "per_tensor": PerTensorTransfer,
+    "unit": UnitTransfer,
+}
+#: The transfer "auto" (the default) means when set; None: :class:`UnitTransfer` on accelerators, and
+#: :class:`PerTensorTransfer` on the host backend (whose "copies" are the host tensors themselves).
+DEFAULT_TRANSFER: Callable[[Backend, torch.device], WeightTransfer] | None = None
+
+
+def make_transfer(name: str | None, backend: Backend, device: torch.device) -> WeightTransfer:
+    """The transfer ``OffloadConfig.transfer`` names ("auto" or None: by backend kind, see :data:`DEFAULT_TRANSFER`)."""
+    if name in (None, "auto"):
+        if DEFAULT_TRANSFER is not None:
+            return DEFAULT_TRANSFER(backend, device)
+        return (UnitTransfer if backend.is_accelerator else PerTensorTransfer)(backend, device)
+    return TRANSFER_KINDS[name](backend, device)
 
 
 class UnitTimerLike:
@@ -102,7 +116,7 @@ class OffloadExecutor:
         self.inputs = InputPreparer(device, self.program.n_inputs, sorted(weight_inputs))
         #: Every weight copy goes through this (the transfer seam, :mod:`.transfer`).
         if transfer is None or isinstance(transfer, str):
-            transfer = TRANSFER_KINDS.get(transfer or "per_tensor", DEFAULT_TRANSFER)(backend, device)
+            transfer = make_transfer(transfer, backend, device)
         self.transfer: WeightTransfer = transfer
         dm = backend.device_module
         self._current_stream = dm.current_stream
@@ -135,6 +149,8 @@ class OffloadExecutor:
         self.watch = WeightWatch(())
         self._sync_before: tuple[int, ...] = ()
         self._gate: tuple[bool, ...] = ()
+        #: One step at a time: the copy stream, events, carried copies and the transfer's places are shared.
+        self._lock = threading.Lock()
 
     def _installer(self, index: int) -> Callable[[UnitFn, bool], None]:
         def install(fn: UnitFn, direct: bool) -> None:
@@ -147,6 +163,8 @@ class OffloadExecutor:
     def set_plan(self, plan: Plan) -> StepActions:
         """Install ``plan``: precompute its action lists and acquire its resident weights lazily."""
         actions = build_actions(self.units, plan, self.transfer.nbytes)
+        nbytes = {w.input_index: w.nbytes for u in self.units for w in u.weights}
+        self.transfer.set_actions(actions, [[nbytes[w] for w in ws] for ws in actions.batches])
         old = self.resident
         self.resident = ResidentSet(self._store, self.device, actions.resident)
         if old is not None:
@@ -180,6 +198,7 @@ class OffloadExecutor:
         if self.resident is not None:
             self.resident.close(self.transfer, self._current_stream())
         self._carry = {}
+        self.transfer.close()
         self.watch = WeightWatch(())
 
     def __del__(self) -> None:
@@ -199,15 +218,20 @@ class OffloadExecutor:
         resident = self.resident
         if actions is None or resident is None:
             raise RuntimeError("OffloadExecutor.run called before set_plan(); install a plan first")
-        with torch.no_grad():
+        with self._lock, torch.no_grad():
             env = self._template.copy()
             self.inputs.fill(args, env)
             compute = self._current_stream()
             changed = self.watch.changed(args)
             resident.fill(args, env, self.transfer, compute, changed)
             events: list[Any] = [None] * len(actions.batches)
-            self._start(args, env, events, actions, changed)
-            self._units(args, env, events, actions, compute, timer)
+            try:
+                self._start(args, env, events, actions, changed)
+                self._units(args, env, events, actions, compute, timer)
+            except BaseException:
+                self._carry = {}
+                self.transfer.abort()
+                raise
             self.stats.steps += 1
             return self.program.build_output(env)
 
@@ -228,7 +252,7 @@ class OffloadExecutor:
 
     def _issue(self, b: int, args: Sequence[Any], env: list[Any], events: list[Any], batches: Any) -> None:
         ws = batches[b]
-        devs, ev = self.transfer.fetch([args[w] for w in ws], self._batch_events[b])
+        devs, ev = self.transfer.fetch([args[w] for w in ws], self._batch_events[b], b)
         for w, t in zip(ws, devs, strict=True):
             env[w] = t
         events[b] = ev
@@ -236,7 +260,7 @@ class OffloadExecutor:
     def _issue_carry(self, args: Sequence[Any], actions: StepActions) -> None:
         for b in actions.carry:
             hosts = [args[w] for w in actions.batches[b]]
-            devs, ev = self.transfer.fetch(hosts, self._carry_events[b])
+            devs, ev = self.transfer.fetch(hosts, self._carry_events[b], b)
             self._carry[b] = _Carry(devs, ev)
 
     def _units(

@@ -6,19 +6,28 @@ hands each streamed weight back after its last user (:meth:`~WeightTransfer.rele
 same object what a group of weights costs to move (:meth:`~WeightTransfer.nbytes`), so a transfer that
 moves weights differently (one contiguous buffer per unit, a share per rank) plans and runs consistently.
 
-:class:`PerTensorTransfer` is the implementation in use: one non-blocking copy per weight on a dedicated
-copy stream, one event per batch; released weights are handed back with ``record_stream(t, compute_stream)``
-so the caching allocator reuses their memory only once the compute stream is done with them.
+:class:`UnitTransfer` (the default on accelerators) copies each batch (a unit's streamed weights) with one
+copy per host storage into a fixed place of one device buffer planned for the step, and hands out views made
+once: host work per unit is one copy call and no allocation. :class:`PerTensorTransfer` (the default on the
+host backend, where a "copy" is the host tensor itself, and ``OffloadConfig(transfer="per_tensor")``) makes
+one non-blocking copy per weight on a dedicated copy stream, one event per batch; released weights are handed
+back with ``record_stream(t, compute_stream)`` so the caching allocator reuses their memory only once the
+compute stream is done with them.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
+from magi_core.execute.actions import StepActions, batch_lifetimes
+from magi_core.plan.packing import pack
 from magi_core.plugin.facade import Backend
+
+logger = logging.getLogger(__name__)
 
 
 class WeightTransfer(Protocol):
@@ -30,8 +39,17 @@ class WeightTransfer(Protocol):
     copies: int
     bytes_copied: int
 
-    def fetch(self, hosts: Sequence[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
-        """Start copying ``hosts`` to the device; return their device tensors and an event recorded after them."""
+    def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
+        """A plan was installed: ``actions``' copy batches (``sizes``: their weights' bytes) are what
+        :meth:`fetch` will be asked for, by batch id, every step until the next call."""
+        ...
+
+    def fetch(
+        self, hosts: Sequence[torch.Tensor], event: Any = None, batch: int | None = None
+    ) -> tuple[list[torch.Tensor], Any]:
+        """Start copying ``hosts`` (copy batch ``batch`` of the installed actions, or None for an unplanned
+        copy) to the device; return their device tensors and an event recorded after them. The caller has
+        ordered the copy stream after the compute work that used this batch's predecessors (its gate)."""
         ...
 
     def fetch_now(self, host: torch.Tensor, compute_stream: Any) -> torch.Tensor:
@@ -51,6 +69,14 @@ class WeightTransfer(Protocol):
         """Bytes moved to fetch weights of these sizes together (what planning accounts)."""
         ...
 
+    def abort(self) -> None:
+        """A step failed part way: weights it fetched will not be released."""
+        ...
+
+    def close(self) -> None:
+        """Drop what the transfer keeps for the installed actions (the executor is closing)."""
+        ...
+
 
 class PerTensorTransfer:
     """One non-blocking host-to-device copy per weight on a dedicated copy stream, one event per batch."""
@@ -65,10 +91,21 @@ class PerTensorTransfer:
         self._needs_release = backend.is_accelerator  # the host backend has no device allocator to hand back to
         self.copies = 0
         self.bytes_copied = 0
-        #: Host-to-device copy calls issued (one per weight here; one per span in :class:`SpanTransfer`).
+        #: Host-to-device copy calls issued (one per weight here; one per host storage of a batch in :class:`UnitTransfer`).
         self.copy_calls = 0
 
-    def fetch(self, hosts: Sequence[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
+    def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
+        """Nothing to prepare: every fetch allocates its device tensors."""
+
+    def abort(self) -> None:
+        """Nothing kept per step."""
+
+    def close(self) -> None:
+        """Nothing kept per plan."""
+
+    def fetch(
+        self, hosts: Sequence[torch.Tensor], event: Any = None, batch: int | None = None
+    ) -> tuple[list[torch.Tensor], Any]:
         """Copy ``hosts`` on the copy stream; ``event`` (optional) is re-recorded instead of creating one."""
         device = self.device
         with self._stream_ctx(self.copy_stream):
@@ -157,52 +194,178 @@ def plan_span(hosts: Sequence[torch.Tensor], slack: float = SPAN_SLACK) -> _Span
     return _Span(span, layout)
 
 
-class SpanTransfer(PerTensorTransfer):
-    """One copy per batch: the byte span of the arena that holds the batch's weights, then a view per weight.
 
-    Weights that ``offload`` laid out in one arena in module order lie next to each other, so a unit's
-    weights form one span with only alignment gaps; its one device buffer is freed once every view of it
-    was released (the allocator frees a block when its last view is gone, after the streams recorded on it).
-    Batches that do not form a tight span (:func:`plan_span`) fall back to one copy per weight.
+#: Byte alignment of each weight inside its batch's place in the device buffer (that of the host arena's slots).
+WEIGHT_ALIGNMENT = 256
+#: Byte alignment of each batch's place in the device buffer.
+BATCH_ALIGNMENT = 512
+
+
+def _aligned(n: int, a: int = WEIGHT_ALIGNMENT) -> int:
+    return -(-n // a) * a
+
+
+class _Slot:
+    """One copy batch's fixed place in the device buffer, and how its weights are copied into it."""
+
+    __slots__ = ("offset", "size", "shares", "gate", "key", "views", "copies", "live")
+
+    def __init__(self, offset: int, size: int, shares: tuple[int, ...], gate: bool) -> None:
+        self.offset = offset
+        self.size = size
+        self.shares = shares  # batches whose bytes overlap this one's (never alive at the same time)
+        self.gate = gate  # issued at step start, before any executor gate: order it after the compute stream
+        self.key: tuple[tuple[int, int], ...] | None = None  # the host tensors the views below were made for
+        self.views: tuple[torch.Tensor, ...] = ()
+        self.copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # (device bytes, host bytes) per copy
+        self.live = 0  # fetched weights not yet released
+
+
+class UnitTransfer(PerTensorTransfer):
+    """One copy per batch (a unit's streamed weights) into a fixed place of one device buffer; views made once.
+
+    :meth:`set_actions` places every copy batch of the plan in one device buffer (:func:`~magi_core.plan.packing.
+    pack`: batches alive at the same time never share bytes) and allocates it. A batch whose host weights lie
+    in one tight span of one host storage (the host arena lays a unit's weights out together) is one copy;
+    weights of several storages (dtypes) are one copy per storage, loose ones one copy each, all into the
+    batch's place; the device views are made at the first fetch and reused while the host tensors stay the
+    same. No allocator call and no ``record_stream`` per step: a batch's bytes are rewritten only by a batch
+    whose lifetime starts after this one's last use, and every copy is ordered after the compute work queued
+    before it (the executor gates the copy stream before a unit's copies; batches issued at step start are
+    gated here). A fetch that finds its place still in use (a bug, or a step that failed half way) falls back
+    to allocating, counted in :attr:`fallbacks`.
     """
 
-    def __init__(self, backend: Backend, device: torch.device, slack: float = SPAN_SLACK) -> None:
+    def __init__(self, backend: Backend, device: torch.device) -> None:
         super().__init__(backend, device)
-        self._slack = slack
-        self._plans: dict[tuple[tuple[int, int], ...], _Span | None] = {}
+        self._current_stream = backend.device_module.current_stream
+        self._buffer: torch.Tensor | None = None
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._slots: list[_Slot] = []
+        self._owner: dict[int, _Slot] = {}  # id(view) -> its batch's slot
+        self._gate_event = self._event()
+        #: Bytes of the device buffer of the installed plan.
+        self.buffer_bytes = 0
+        #: Fetches that could not use their place and allocated instead.
+        self.fallbacks = 0
 
-    def fetch(self, hosts: Sequence[torch.Tensor], event: Any = None) -> tuple[list[torch.Tensor], Any]:
-        """Copy the batch's span on the copy stream and return views of it (per-weight copies when no span)."""
-        key = tuple((id(h), h.data_ptr()) for h in hosts)
-        plan = self._plans.get(key, _MISSING)
-        if plan is _MISSING:
-            if len(self._plans) > 4096:  # weights were replaced many times: forget old layouts
-                self._plans.clear()
-            plan = plan_span(hosts, self._slack)
-            self._plans[key] = plan
-        if plan is None:
+    def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
+        """Place ``actions``' copy batches (``sizes``: bytes of each batch's weights) in a new device buffer."""
+        self._drop_buffer()
+        slot_bytes = [sum(_aligned(n) for n in ws) for ws in sizes]
+        packing = pack(slot_bytes, batch_lifetimes(actions), BATCH_ALIGNMENT)
+        carried = set(actions.carry)
+        at_start = {b for b in actions.start if b not in carried}
+        self._slots = [
+            _Slot(packing.offsets[b], slot_bytes[b], packing.shares_with[b], b in at_start)
+            for b in range(len(slot_bytes))
+        ]
+        self.buffer_bytes = packing.total
+        if packing.total:  # allocated on the copy stream, which writes it first
+            with self._stream_ctx(self.copy_stream):
+                self._buffer = torch.empty(packing.total, dtype=torch.uint8, device=self.device)
+
+    def close(self) -> None:
+        """Forget the plan's buffer (after the compute stream's queued work, which may still read it)."""
+        self._drop_buffer()
+        self._slots = []
+        self.buffer_bytes = 0
+
+    def abort(self) -> None:
+        """A step failed part way: no fetched weight will be released, so every place counts as free again."""
+        for slot in self._slots:
+            slot.live = 0
+
+    def _drop_buffer(self) -> None:
+        if self._buffer is not None and self._needs_release:
+            self._record_stream(self._buffer, self._current_stream())
+        self._buffer = None
+        self._typed = {}
+        self._owner = {}
+
+    def fetch(
+        self, hosts: Sequence[torch.Tensor], event: Any = None, batch: int | None = None
+    ) -> tuple[list[torch.Tensor], Any]:
+        """Copy batch ``batch`` into its place and return its views (allocating when it has no usable place)."""
+        slots = self._slots
+        if batch is None or batch >= len(slots) or self._buffer is None:
             return super().fetch(hosts, event)
-        assert isinstance(plan, _Span)
+        slot = slots[batch]
+        if any(slots[j].live for j in slot.shares):
+            self.fallbacks += 1
+            logger.debug("copy batch %d: its place is still in use; allocating instead", batch)
+            return super().fetch(hosts, event)
+        key = tuple((id(h), h.data_ptr()) for h in hosts)
+        if key != slot.key and not self._lay_out(slot, hosts, key):
+            return super().fetch(hosts, event)
+        if slot.gate:
+            self._gate_event.record(self._current_stream())
+            self.copy_stream.wait_event(self._gate_event)
         with self._stream_ctx(self.copy_stream):
-            dev = plan.host.to(self.device, non_blocking=True)
+            for dev, host in slot.copies:
+                dev.copy_(host, non_blocking=True)
             ev = self._event() if event is None else event
             ev.record(self.copy_stream)
-        typed: dict[torch.dtype, torch.Tensor] = {}
-        outs = []
-        for dtype, size, stride, offset in plan.layout:
-            base = typed.get(dtype)
-            if base is None:
-                item = dtype.itemsize
-                base = typed[dtype] = dev[: dev.numel() // item * item].view(dtype)
-            outs.append(base.as_strided(size, stride, base.storage_offset() + offset))  # as_strided's is absolute
+        slot.live = len(hosts)
         self.copies += len(hosts)
-        self.copy_calls += 1
-        self.bytes_copied += plan.host.numel()
-        return outs, ev
+        self.copy_calls += len(slot.copies)
+        self.bytes_copied += sum(h.nbytes for h in hosts)
+        return list(slot.views), ev
+
+    def release(self, t: torch.Tensor, compute_stream: Any) -> None:
+        """A view of the buffer frees its batch's place after the batch's last weight; others as per tensor."""
+        slot = self._owner.get(id(t))
+        if slot is None:
+            super().release(t, compute_stream)
+        elif slot.live > 0:
+            slot.live -= 1
+
+    def _typed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        base = self._typed.get(dtype)
+        if base is None:
+            assert self._buffer is not None
+            base = self._typed[dtype] = self._buffer.view(dtype)
+        return base
+
+    def _lay_out(self, slot: _Slot, hosts: Sequence[torch.Tensor], key: tuple[tuple[int, int], ...]) -> bool:
+        """Make ``slot``'s views and copies for these host tensors; False when they cannot use the buffer."""
+        if any(h.device.type != "cpu" or _extent(h) != h.nbytes or h.dtype.itemsize < 1 for h in hosts):
+            return False  # overlapping or gapped strides: copied (and allocated) per weight
+        assert self._buffer is not None
+        groups: dict[int, list[int]] = {}
+        for i, h in enumerate(hosts):
+            groups.setdefault(h.untyped_storage().data_ptr() if h.numel() else -1 - i, []).append(i)
+        spans = {g: plan_span([hosts[i] for i in idx]) for g, idx in groups.items()}
+        need = sum(_aligned(s.host.numel()) if s is not None else sum(_aligned(hosts[i].nbytes) for i in groups[g])
+                   for g, s in spans.items())
+        if need > slot.size:
+            spans = dict.fromkeys(groups)  # the spans' gaps do not fit: one copy per weight
+        views: list[torch.Tensor | None] = [None] * len(hosts)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        at = slot.offset
+        for g, idx in groups.items():
+            span = spans[g]
+            if span is not None:
+                copies.append((self._buffer[at:at + span.host.numel()], span.host))
+                for i, (dtype, size, stride, off) in zip(idx, span.layout, strict=True):
+                    views[i] = self._typed_buffer(dtype).as_strided(size, stride, at // dtype.itemsize + off)
+                at = _aligned(at + span.host.numel())
+                continue
+            for i in idx:
+                h = hosts[i]
+                v = self._typed_buffer(h.dtype).as_strided(h.shape, h.stride(), at // h.dtype.itemsize)
+                copies.append((v, h))
+                views[i] = v
+                at = _aligned(at + h.nbytes)
+        for v in slot.views:
+            self._owner.pop(id(v), None)
+        slot.views = tuple(v for v in views if v is not None)
+        slot.copies = tuple(copies)
+        slot.key = key
+        for v in slot.views:
+            self._owner[id(v)] = slot
+        return True
 
     def nbytes(self, sizes: Sequence[int]) -> int:
-        """The weights' bytes: alignment gaps inside a span add at most ``slack`` (planning ignores them)."""
+        """The weights' bytes: alignment gaps inside a batch's place add at most 256 bytes a weight."""
         return sum(sizes)
-
-
-_MISSING: Any = object()

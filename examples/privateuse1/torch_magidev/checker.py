@@ -81,6 +81,15 @@ class Block:
     last_write: tuple[StreamKey, int] | None = None
     reads: dict[StreamKey, int] = field(default_factory=dict)
     recorded: set[StreamKey] = field(default_factory=set)
+    #: Per byte range ``(lo, hi)`` written: the last write's stream and position (for the read/overwrite rules:
+    #: views of one block that share no byte never conflict, as on a real device).
+    range_writes: dict[tuple[int, int], tuple[StreamKey, int]] = field(default_factory=dict)
+    #: Per byte range and stream read: the last read's position.
+    range_reads: dict[tuple[int, int, StreamKey], int] = field(default_factory=dict)
+
+
+#: One use of device memory by an op: the block, and the byte range ``[lo, hi)`` of it the op's tensor covers.
+Use = tuple[Block, int, int]
 
 
 def _name(s: StreamKey) -> str:
@@ -149,43 +158,48 @@ class StreamOrderChecker:
 
     # -- uses --------------------------------------------------------------------------------------------
     def on_alloc(self, block: Block, s: StreamKey, pos: int) -> None:
-        """A new block on stream ``s``: its allocation counts as a write there."""
+        """A new block on stream ``s``: its allocation counts as a write there (of all its bytes)."""
         block.last_write = (s, pos)
+        block.range_writes = {(0, block.nbytes): (s, pos)}
 
-    def on_op(self, op: str, reads: list[Block], writes: list[Block], s: StreamKey, pos: int) -> None:
-        """Check and record an op at ``pos`` on ``s`` that reads ``reads`` and writes ``writes``."""
+    def on_op(self, op: str, reads: list[Use], writes: list[Use], s: StreamKey, pos: int) -> None:
+        """Check and record an op at ``pos`` on ``s`` that reads ``reads`` and writes ``writes`` (byte ranges)."""
         if not self.enabled:
             return
         with LOCK:
-            for b in reads:
-                self._check_after_write(op, b, s, "read")
-            for b in writes:
-                self._check_after_write(op, b, s, "overwrite")
-                for r, p in b.reads.items():
-                    if not self.ordered(r, p, s):
+            for b, lo, hi in reads:
+                self._check_after_write(op, b, lo, hi, s, "read")
+            for b, lo, hi in writes:
+                self._check_after_write(op, b, lo, hi, s, "overwrite")
+                for (rlo, rhi, r), p in b.range_reads.items():
+                    if rlo < hi and lo < rhi and not self.ordered(r, p, s):
                         self._flag(
                             "overwrite", op, b, s, r,
-                            f"{op} on {_name(s)} overwrites {b.desc} while {_name(r)} may still read it "
-                            f"(read at position {p}; no event recorded after that read was waited for by "
-                            f"{_name(s)}, and the host did not synchronize it)",
+                            f"{op} on {_name(s)} overwrites {b.desc} (bytes {lo}-{hi}) while {_name(r)} may still "
+                            f"read it (bytes {rlo}-{rhi}, read at position {p}; no event recorded after that read "
+                            f"was waited for by {_name(s)}, and the host did not synchronize it)",
                         )
-            for b in reads:
+            for b, lo, hi in reads:
                 b.reads[s] = pos
-            for b in writes:
+                b.range_reads[(lo, hi, s)] = pos
+            for b, lo, hi in writes:
                 b.last_write = (s, pos)
-                b.reads = {}
+                if lo <= 0 and hi >= b.nbytes:  # the whole block: earlier reads were checked to be ordered before
+                    b.reads = {}
+                b.range_reads = {k: p for k, p in b.range_reads.items() if not (lo <= k[0] and k[1] <= hi)}
+                b.range_writes = {k: v for k, v in b.range_writes.items() if not (lo <= k[0] and k[1] <= hi)}
+                b.range_writes[(lo, hi)] = (s, pos)
 
-    def _check_after_write(self, op: str, b: Block, s: StreamKey, kind: str) -> None:
-        if b.last_write is None:
-            return
-        w, p = b.last_write
-        if not self.ordered(w, p, s):
-            what = "reads" if kind == "read" else "overwrites"
-            self._flag(
-                kind, op, b, s, w,
-                f"{op} on {_name(s)} {what} {b.desc} before the write on {_name(w)} (position {p}) is known "
-                f"to be complete: wait on an event recorded after that write (Stream.wait_event) first",
-            )
+    def _check_after_write(self, op: str, b: Block, lo: int, hi: int, s: StreamKey, kind: str) -> None:
+        for (wlo, whi), (w, p) in b.range_writes.items():
+            if wlo < hi and lo < whi and not self.ordered(w, p, s):
+                what = "reads" if kind == "read" else "overwrites"
+                self._flag(
+                    kind, op, b, s, w,
+                    f"{op} on {_name(s)} {what} {b.desc} (bytes {lo}-{hi}) before the write on {_name(w)} "
+                    f"(bytes {wlo}-{whi}, position {p}) is known to be complete: wait on an event recorded after "
+                    "that write (Stream.wait_event) first",
+                )
 
     def on_record_stream(self, block: Block, s: StreamKey) -> None:
         """``Tensor.record_stream(s)``: the allocator will not reuse the block before ``s``'s work at free time."""

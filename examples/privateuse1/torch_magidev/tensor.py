@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torch_magidev import _state, memory
 from torch_magidev._state import DEVICE_TYPE
-from torch_magidev.checker import CHECKER, Block
+from torch_magidev.checker import CHECKER, Block, Use
 from torch_magidev.streams import current_stream, lookup
 
 aten = torch.ops.aten
@@ -190,9 +190,9 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
             id(v) for i, name in writes
             for v in _as_list(args[i] if i < len(args) else kwargs.get(name)) if isinstance(v, MagidevTensor)
         }
-        wblocks = _blocks(w for w in wrappers if id(w) in written)
-        rblocks = [b for b in _blocks(w for w in wrappers if id(w) not in written) if b not in wblocks]
-        CHECKER.on_op(str(func), rblocks, wblocks, s, pos)
+        wuses = _uses(w for w in wrappers if id(w) in written)
+        ruses = [u for u in _uses(w for w in wrappers if id(w) not in written) if u not in wuses]
+        CHECKER.on_op(str(func), ruses, wuses, s, pos)
     out = func(*uargs, **ukwargs)
     if writes:
         for w in wrappers:
@@ -246,12 +246,19 @@ def _as_list(v: Any) -> list[Any]:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def _blocks(ts: Any) -> list[Block]:
-    out: list[Block] = []
+def _uses(ts: Any) -> list[Use]:
+    """The blocks the tensors ``ts`` live in, each with the byte range ``[lo, hi)`` the tensor spans."""
+    out: list[Use] = []
     for t in ts:
         b = t._md_block
-        if b is not None and b not in out:
-            out.append(b)
+        if b is None:
+            continue
+        item = t.element_size()
+        lo = t.storage_offset() * item
+        extent = 0 if t.numel() == 0 else sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+        u = (b, lo, lo + extent * item)
+        if u not in out:
+            out.append(u)
     return out
 
 
