@@ -234,3 +234,22 @@ def test_release_hands_device_tensors_to_record_stream_and_host_tensors_to_nobod
         PerTensorTransfer(backend, torch.device(backend.device_type)).release(dev, stream)
         backend.record_stream(host, stream)
     assert len(calls) == 1 and calls[0][0] is dev and calls[0][1] is stream
+
+
+@pytest.mark.parametrize("kind", ["unit", "per_tensor"])
+def test_host_runs_ahead_only_when_fetches_do_not_allocate(shm_dir: str, kind: str) -> None:
+    # Per-weight allocations are bounded by keeping the host at most HOST_LEAD_UNITS ahead of the device; the
+    # unit transfer's memory is fixed by the plan, so its host never blocks before issuing copies.
+    torch._dynamo.reset()
+    model = build_transformer(SPEC)
+    magi_core.offload(model, magi_core.OffloadConfig(transfer=kind, unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                model(example_input(SPEC, tokens=5))
+        ex = magi_core.handle(model).runtime.executor
+        waits = [s for s in ex._sync_before if s >= 0]
+        assert ex.transfer.allocates == (kind == "per_tensor")
+        assert (len(waits) > 0) == (kind == "per_tensor")
+    finally:
+        magi_core.release(model)

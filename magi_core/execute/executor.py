@@ -12,8 +12,11 @@ at the last unit) start on the device no earlier than unit ``i`` does: the copy 
 recorded on the compute stream just before unit ``i`` is launched. The scheduler's predicted peak memory
 assumes exactly this; without the gate a copy could start as soon as the host issued it.
 
-The host never runs more than :data:`HOST_LEAD_UNITS` units ahead of the device before issuing copies, so
-allocations of streamed weights stay within the plan's working set plus about one unit. It adds no bubble:
+With a transfer that allocates per fetch (:class:`~magi_core.execute.transfer.PerTensorTransfer`), the host
+never runs more than :data:`HOST_LEAD_UNITS` units ahead of the device before issuing copies, so
+allocations of streamed weights stay within the plan's working set plus about one unit (a transfer whose
+device memory is fixed by the plan, :class:`~magi_core.execute.transfer.UnitTransfer`, needs no such limit:
+the host enqueues the whole step without blocking). It adds no bubble:
 in a transfer-bound steady state unit ``i - HOST_LEAD_UNITS`` ends about when its own weights' copy ends,
 at least one full copy before the copy stream drains, so the next copy is always queued in time.
 """
@@ -182,7 +185,7 @@ class OffloadExecutor:
         # positions that issue copies: the host first waits for the unit HOST_LEAD_UNITS before them
         sync = [-1] * n
         for u in range(n):
-            if actions.issue[u] or (u == n - 1 and actions.carry):
+            if self.transfer.allocates and (actions.issue[u] or (u == n - 1 and actions.carry)):
                 sync[u] = u - HOST_LEAD_UNITS
         self._sync_before = tuple(sync)
         self._gate = tuple(bool(actions.issue[u]) or (u == n - 1 and bool(actions.carry)) for u in range(n))

@@ -38,6 +38,8 @@ class WeightTransfer(Protocol):
     #: Weight copies issued so far, and their bytes.
     copies: int
     bytes_copied: int
+    #: True when each fetch allocates device memory (the executor then bounds how far the host runs ahead).
+    allocates: bool
 
     def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
         """A plan was installed: ``actions``' copy batches (``sizes``: their weights' bytes) are what
@@ -91,6 +93,7 @@ class PerTensorTransfer:
         self._needs_release = backend.is_accelerator  # the host backend has no device allocator to hand back to
         self.copies = 0
         self.bytes_copied = 0
+        self.allocates = True
         #: Host-to-device copy calls issued (one per weight here; one per host storage of a batch in :class:`UnitTransfer`).
         self.copy_calls = 0
 
@@ -244,6 +247,7 @@ class UnitTransfer(PerTensorTransfer):
         self._slots: list[_Slot] = []
         self._owner: dict[int, _Slot] = {}  # id(view) -> its batch's slot
         self._gate_event = self._event()
+        self.allocates = False  # the plan's buffer is fixed: the host may enqueue a whole step ahead
         #: Bytes of the device buffer of the installed plan.
         self.buffer_bytes = 0
         #: Fetches that could not use their place and allocated instead.
