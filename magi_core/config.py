@@ -83,7 +83,8 @@ class OffloadConfig:
     ``policy``: BASE (look-ahead prefetch), COST_EFFECTIVE (keep the least-compute-per-byte units resident)
     or HEURISTIC (latest copy triggers from profiled times; residency where it removes the most stall),
     or the name of a plugin policy; any case. ``gpu_resident_weight_ratio`` in [0, 1]: at most this share of
-    all weight bytes stays resident on the device. ``device_memory_budget_bytes``: the alternative to the
+    all weight bytes stays resident on the device (at 1, with no ``max_unit_bytes``, nothing streams and the
+    graph is compiled whole, as one unit). ``device_memory_budget_bytes``: the alternative to the
     ratio (set one of the two): the scheduler keeps as many weights resident as fit while resident weights
     plus the predicted streamed working set stay within this many bytes (activations not included).
     ``bandwidth_safety_factor`` in (0, 1]: schedulers plan with measured bandwidth times this.

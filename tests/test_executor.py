@@ -263,3 +263,19 @@ def test_inductor_units_with_lifted_eps():
         close(f(x, eps), refs[eps])
     ex = newest().executor
     assert not any(type(fn).__name__ == "LazyUnit" for fn in ex.fns), "every unit ran compiled"
+
+
+def test_everything_resident_compiles_the_graph_whole(transformer):
+    # At ratio 1 nothing streams: unit boundaries would only cut fusions, so the graph is one unit; just below
+    # it the blocks are units again (weights may stream).
+    model, x, ref = transformer
+    f = compiled(model, policy="HEURISTIC", gpu_resident_weight_ratio=1.0)
+    for _ in range(3):
+        close(f(x), ref)
+    whole = newest()
+    assert whole.executor.n_units == 1 and whole.executor.actions.streamed_bytes == 0
+    torch._dynamo.reset()
+    g = compiled(model, policy="HEURISTIC", gpu_resident_weight_ratio=0.99)
+    for _ in range(3):
+        close(g(x), ref)
+    assert newest().executor.n_units > 1

@@ -78,7 +78,9 @@ class _Splitter:
         example_inputs: Sequence[Any] | None,
         max_unit_bytes: int | None,
         include_buffers: bool,
+        one_unit: bool = False,
     ) -> None:
+        self.one_unit = one_unit
         if max_unit_bytes is not None and max_unit_bytes <= 0:
             raise MagiError(f"max_unit_bytes must be a positive byte count, got {max_unit_bytes}")
         self.gm = gm
@@ -138,6 +140,9 @@ class _Splitter:
     # -- segments ---------------------------------------------------------------------------------
     def _segments(self) -> list[_Segment]:
         body = [n for n in self.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+        if self.one_unit:
+            logger.info("unit split: every weight stays resident; one unit holds the whole graph")
+            return [_Segment("all", "all", body)] if body else []
         container = find_block_container(body)
         if container is None:
             logger.info("unit split: no repeated blocks in nn_module_stack; one unit holds the whole graph")
@@ -331,14 +336,16 @@ def split_into_units(
     *,
     max_unit_bytes: int | None = None,
     include_buffers: bool = True,
+    one_unit: bool = False,
 ) -> SplitGraph:
     """Split ``gm`` into offload units (see the module docstring); ``gm``'s graph is edited, not its semantics.
 
     ``example_inputs`` (the real inputs Dynamo passes the backend) make weight detection and byte
     sizes exact; without them they come from the fake values. ``include_buffers=False`` keeps static
-    module buffers as plain inputs.
+    module buffers as plain inputs. ``one_unit``: the whole graph is one unit (nothing will stream, so unit
+    boundaries would only stop fusions and kernel choices that span blocks).
     """
-    return _Splitter(gm, example_inputs, max_unit_bytes, include_buffers).run()
+    return _Splitter(gm, example_inputs, max_unit_bytes, include_buffers, one_unit).run()
 
 
 __all__ = ["split_into_units"]
