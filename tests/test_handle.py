@@ -15,7 +15,7 @@ from magi_core.bench.models import TransformerSpec, build_transformer, example_i
 from magi_core.compile.handle import OffloadHandle
 from magi_core.errors import MagiError
 from magi_core.execute.residency import RESIDENT
-from magi_core.execute.transfer import PerTensorTransfer
+from magi_core.execute.transfer import PerTensorTransfer, UnitTransfer
 
 SPEC = TransformerSpec(layers=2, hidden=32, heads=2)
 CFG = magi_core.OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=1.0, unit_compiler="eager")
@@ -61,6 +61,10 @@ def test_handle_owns_host_weights_runtimes_and_figures(shm_dir: str) -> None:
         step_bytes = s2.streamed_bytes_total - s.streamed_bytes_total  # one span per unit: alignment gaps too
         assert h.host.weight_bytes <= step_bytes <= 1.125 * h.host.weight_bytes + 4096 * s.units
         assert s2.weight_copies - s.weight_copies == len(list(model.parameters()))
+        t = h.runtime.executor.transfer
+        per_step = s.units if isinstance(t, UnitTransfer) else len(list(model.parameters()))
+        assert s2.copy_calls - s.copy_calls == per_step
+        assert (s2.transfer_buffer_bytes >= h.host.weight_bytes / s.units) == isinstance(t, UnitTransfer)
         with pytest.raises(MagiError, match="already offloaded"):
             magi_core.offload(model)
     finally:

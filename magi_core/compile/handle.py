@@ -45,6 +45,10 @@ class RuntimeStats:
     predicted_step_ms: float | None
     predicted_stall_ms: float | None
     bandwidth_GBps: float | None
+    #: Host-to-device copy calls issued so far (one per unit and host storage with the unit transfer).
+    copy_calls: int = 0
+    #: Device bytes the transfer holds for streamed weights (the unit transfer's planned buffer; 0 otherwise).
+    transfer_buffer_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for JSON."""
@@ -182,4 +186,6 @@ def runtime_stats(runtime: OffloadLifecycle) -> RuntimeStats:
         predicted_step_ms=None if plan is None else plan.predicted_step_ms,
         predicted_stall_ms=None if plan is None else plan.predicted_stall_ms,
         bandwidth_GBps=None if runtime.bandwidth_Bps is None else runtime.bandwidth_Bps / 1e9,
+        copy_calls=int(getattr(ex.transfer, "copy_calls", ex.transfer.copies)),
+        transfer_buffer_bytes=int(getattr(ex.transfer, "buffer_bytes", 0)),
     )
