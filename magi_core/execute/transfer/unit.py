@@ -1,153 +1,19 @@
-"""The transfer seam: how streamed and resident weights reach the device, and when they may be freed.
-
-The executor never issues a copy itself. It asks a :class:`WeightTransfer` to bring a batch of host weights
-to the device (:meth:`~WeightTransfer.fetch`: device tensors plus an event the compute stream waits on), and
-hands each streamed weight back after its last user (:meth:`~WeightTransfer.release`). Planning asks the
-same object what a group of weights costs to move (:meth:`~WeightTransfer.nbytes`), so a transfer that
-moves weights differently (one contiguous buffer per unit, a share per rank) plans and runs consistently.
-
-:class:`UnitTransfer` (the default on accelerators) copies each batch (a unit's streamed weights) with one
-copy per host storage into a fixed place of one device buffer planned for the step, and hands out views made
-once: host work per unit is one copy call and no allocation. :class:`PerTensorTransfer` (the default on the
-host backend, where a "copy" is the host tensor itself, and ``OffloadConfig(transfer="per_tensor")``) makes
-one non-blocking copy per weight on a dedicated copy stream, one event per batch; released weights are handed
-back with ``record_stream(t, compute_stream)`` so the caching allocator reuses their memory only once the
-compute stream is done with them.
-"""
+"""One copy per unit: each copy batch in a fixed place of one device buffer planned for the step."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from magi_core.execute.actions import StepActions, batch_lifetimes
+from magi_core.execute.transfer.base import PerTensorTransfer
 from magi_core.plan.packing import pack
 from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
-
-
-class WeightTransfer(Protocol):
-    """Bring weights to the device on a copy stream, give an event, release them after their last use."""
-
-    #: The stream copies run on (the executor gates it on the compute stream before issuing).
-    copy_stream: Any
-    #: Weight copies issued so far, and their bytes.
-    copies: int
-    bytes_copied: int
-    #: True when each fetch allocates device memory (the executor then bounds how far the host runs ahead).
-    allocates: bool
-
-    def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
-        """A plan was installed: ``actions``' copy batches (``sizes``: their weights' bytes) are what
-        :meth:`fetch` will be asked for, by batch id, every step until the next call."""
-        ...
-
-    def fetch(
-        self, hosts: Sequence[torch.Tensor], event: Any = None, batch: int | None = None
-    ) -> tuple[list[torch.Tensor], Any]:
-        """Start copying ``hosts`` (copy batch ``batch`` of the installed actions, or None for an unplanned
-        copy) to the device; return their device tensors and an event recorded after them. The caller has
-        ordered the copy stream after the compute work that used this batch's predecessors (its gate)."""
-        ...
-
-    def fetch_now(self, host: torch.Tensor, compute_stream: Any) -> torch.Tensor:
-        """One weight's device copy, ordered before whatever ``compute_stream`` runs next (resident weights)."""
-        ...
-
-    def refresh(self, dev: torch.Tensor, host: torch.Tensor, compute_stream: Any) -> None:
-        """Overwrite a kept device copy with ``host``'s values: after the work queued on ``compute_stream``
-        (which may still read the old values), and before whatever it runs next."""
-        ...
-
-    def release(self, t: torch.Tensor, compute_stream: Any) -> None:
-        """Hand a fetched weight back once ``compute_stream`` has finished the work already queued on it."""
-        ...
-
-    def nbytes(self, sizes: Sequence[int]) -> int:
-        """Bytes moved to fetch weights of these sizes together (what planning accounts)."""
-        ...
-
-    def abort(self) -> None:
-        """A step failed part way: weights it fetched will not be released."""
-        ...
-
-    def close(self) -> None:
-        """Drop what the transfer keeps for the installed actions (the executor is closing)."""
-        ...
-
-
-class PerTensorTransfer:
-    """One non-blocking host-to-device copy per weight on a dedicated copy stream, one event per batch."""
-
-    def __init__(self, backend: Backend, device: torch.device) -> None:
-        dm = backend.device_module
-        self.device = device
-        self.copy_stream = dm.Stream()
-        self._stream_ctx = dm.stream
-        self._event = dm.Event
-        self._record_stream = backend.record_stream
-        self._needs_release = backend.is_accelerator  # the host backend has no device allocator to hand back to
-        self.copies = 0
-        self.bytes_copied = 0
-        self.allocates = True
-        #: Host-to-device copy calls issued (one per weight here; one per host storage of a batch in :class:`UnitTransfer`).
-        self.copy_calls = 0
-
-    def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
-        """Nothing to prepare: every fetch allocates its device tensors."""
-
-    def abort(self) -> None:
-        """Nothing kept per step."""
-
-    def close(self) -> None:
-        """Nothing kept per plan."""
-
-    def fetch(
-        self, hosts: Sequence[torch.Tensor], event: Any = None, batch: int | None = None
-    ) -> tuple[list[torch.Tensor], Any]:
-        """Copy ``hosts`` on the copy stream; ``event`` (optional) is re-recorded instead of creating one."""
-        device = self.device
-        with self._stream_ctx(self.copy_stream):
-            outs = [h.to(device, non_blocking=True) for h in hosts]
-            ev = self._event() if event is None else event
-            ev.record(self.copy_stream)
-        self.copies += len(hosts)
-        self.copy_calls += len(hosts)
-        self.bytes_copied += sum(h.nbytes for h in hosts)
-        return outs, ev
-
-    def fetch_now(self, host: torch.Tensor, compute_stream: Any) -> torch.Tensor:
-        """Copy one weight on the copy stream and make ``compute_stream`` wait for it."""
-        (dev,), ev = self.fetch([host])
-        compute_stream.wait_event(ev)
-        return dev
-
-    def refresh(self, dev: torch.Tensor, host: torch.Tensor, compute_stream: Any) -> None:
-        """Copy ``host`` into ``dev`` on the copy stream, between the compute stream's queued and next work."""
-        gate = self._event()
-        gate.record(compute_stream)
-        self.copy_stream.wait_event(gate)
-        with self._stream_ctx(self.copy_stream):
-            dev.copy_(host, non_blocking=True)
-            done = self._event()
-            done.record(self.copy_stream)
-        compute_stream.wait_event(done)
-        self.copies += 1
-        self.copy_calls += 1
-        self.bytes_copied += host.nbytes
-
-    def release(self, t: torch.Tensor, compute_stream: Any) -> None:
-        """``record_stream`` on the compute stream: the allocator reuses ``t`` once that stream is past it."""
-        if self._needs_release:
-            self._record_stream(t, compute_stream)
-
-    def nbytes(self, sizes: Sequence[int]) -> int:
-        """Each weight is its own copy: the sum of their sizes."""
-        return sum(sizes)
 
 
 #: A batch is copied as one span when the span is at most this much larger than its weights (alignment gaps).
