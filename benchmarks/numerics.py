@@ -4,7 +4,7 @@
 
 Runs the same low-precision weights and input: float32 eager (the reference: the low-precision weights upcast),
 low-precision eager, the whole model compiled with Inductor (with and without ``emulate_precision_casts``),
-and magi-core offloaded (Inductor units and eager units, ratios 0 and 1). Prints and writes the norm-wise
+and magi-core offloaded (Inductor units and eager units, ratios 0, 0.5 and 1). Prints and writes the norm-wise
 relative error ||out - ref|| / ||ref|| of each against the float32 reference and against the compiled
 resident run, so one can tell error that streaming adds from error that the dtype and the compiler add.
 """
@@ -85,7 +85,7 @@ def main() -> int:
         try:
             for compiler in ("inductor", "eager"):
                 for emulate in (False, True) if compiler == "inductor" else (False,):
-                    for ratio in (1.0, 0.0):
+                    for ratio in (1.0, 0.5, 0.0):  # 1: the graph compiled whole; 0.5, 0: split into units
                         torch._dynamo.reset()
                         ctx = like_with_like(compiler) if emulate else torch.autograd.grad_mode.no_grad()
                         with ctx:
