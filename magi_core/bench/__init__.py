@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from magi_core.bench.options import ACCELERATOR_TIME_BUDGET_S, GRIDS, SYSTEMS, BenchOptions
+from magi_core.bench.options import ACCELERATOR_TIME_BUDGET_S, GRIDS, MODELS, SYSTEMS, BenchOptions
 from magi_core.bench.runner import default_out_path, environment, run_benchmark
 from magi_core.errors import MagiError
 
@@ -34,7 +34,10 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``magi bench`` options to ``parser``."""
     parser.add_argument("--models", type=_csv(str), default=("mlp", "transformer"),
-                        help="comma list of models: mlp,transformer (default both)")
+                        help=f"comma list of models: {','.join(MODELS)} (default mlp,transformer); llama8b "
+                             "(transformers LlamaForCausalLM, Llama-3-8B) and wan14b (diffusers WanTransformer3DModel, "
+                             "Wan2.1-14B blocks) run at their own regime token counts unless --tokens is given, and "
+                             "tiny on the cpu backend")
     parser.add_argument("--systems", type=_csv(str), default=SYSTEMS,
                         help=f"comma list of systems (default all: {','.join(SYSTEMS)})")
     parser.add_argument("--policies", type=_csv(str), default=("HEURISTIC", "COST_EFFECTIVE", "BASE"),
@@ -47,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", type=_csv(float), default=(0.5,),
                         help="device-memory budgets as fractions of the weight bytes (default 0.5)")
     parser.add_argument("--tokens", type=_csv(int), default=None,
-                        help="token counts (default 2048,16384 on accelerators, 16,64 on the cpu backend)")
+                        help="token counts of every model (default 2048,16384 on accelerators, 16,64 on the cpu "
+                             "backend; llama8b 2048,8192,16384 and wan14b 2184,8190,16380: transfer-bound, balanced, "
+                             "compute-bound on an H200)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (>= 10; median)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up calls before timing (magi: at least its own)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -57,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tf-hidden", type=int, default=None)
     parser.add_argument("--tf-layers", type=int, default=None, help="transformer blocks (default 32: 15.6 GB)")
     parser.add_argument("--tf-heads", type=int, default=None)
+    parser.add_argument("--llama-layers", type=int, default=None,
+                        help="llama8b decoder layers (default 32, the real model; 4 with --quick)")
+    parser.add_argument("--wan-layers", type=int, default=None,
+                        help="wan14b transformer blocks (default 20, 14.5 GB; the real model has 40; 4 with --quick)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of resident_compiled (default inductor)")
     parser.add_argument("--probe-mb", type=int, default=None, help="H2D probe size in MiB (default 1024; cpu 16)")
     parser.add_argument("--compile-on-cpu", action="store_true", help="run Inductor for resident compiled on cpu")
     parser.add_argument("--no-overhead-probe", action="store_true",
@@ -83,7 +94,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         tf_heads=args.tf_heads, probe_bytes=args.probe_mb << 20 if args.probe_mb else None,
         compile_on_cpu=args.compile_on_cpu, overhead_probe=not args.no_overhead_probe,
         time_budget_s=args.time_budget, grid=args.grid, accelerate_all_tokens=args.accelerate_all_tokens,
-        out=args.out,
+        llama_layers=args.llama_layers, wan_layers=args.wan_layers, compile_backend=args.compile_backend, out=args.out,
     )
 
 

@@ -21,6 +21,8 @@ from magi_core.errors import MagiError
 
 #: Target limits from the benchmark issue.
 STEP_VS_IDEAL = 1.01
+#: Step target where compute and transfer are about equal (issue 15: the pipeline's ends cannot both hide).
+STEP_VS_IDEAL_BALANCED = 1.02
 BUDGET_VS_BEST_SPLIT = 1.03
 SPEEDUP_VS_DIFFUSERS = 1.8
 PINNED_OVER_WEIGHTS = 1.01
@@ -88,6 +90,13 @@ def _target(name: str, scope: str, value: float | None, limit: float, upper: boo
             "status": "met" if met else "missed", "missed_by": missed, "note": note}
 
 
+def step_regime(doc: dict[str, Any], workload: str, tokens: int) -> str | None:
+    """The H200 regime the workload's arithmetic gives this token count (real models), or None."""
+    info = doc.get("workloads", {}).get(workload, {}).get("tokens", {}).get(str(tokens), {})
+    regime = info.get("regime_h200")
+    return regime if isinstance(regime, str) else None
+
+
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Evaluate every target of the issue on the document's runs (met, missed by how much, or not measured)."""
     out: list[dict[str, Any]] = []
@@ -99,17 +108,22 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     for wl, tokens in sorted(all_groups):
         scope = f"{wl} {tokens} tok"
         okg = groups.get((wl, tokens), [])
+        balanced = step_regime(doc, wl, tokens) == "balanced"
+        step_limit = STEP_VS_IDEAL_BALANCED if balanced else STEP_VS_IDEAL
         for pol in policies:
             rs = [r for r in okg if r["system"] == "magi" and r["policy"] == pol and r.get("ratio_to_ideal")]
             worst = max(rs, key=lambda r: r["ratio_to_ideal"]) if rs else None
-            out.append(_target("step <= 1.01x ideal", f"{scope}, {pol} (worst config)",
-                               worst["ratio_to_ideal"] if worst else None, STEP_VS_IDEAL, True, "x",
-                               worst["label"] if worst else "no completed run"))
+            note = worst["label"] if worst else "no completed run"
+            out.append(_target(f"step <= {step_limit:g}x ideal", f"{scope}, {pol} (worst config)",
+                               worst["ratio_to_ideal"] if worst else None, step_limit, True, "x",
+                               note + (" (balanced regime)" if balanced else "")))
         eager = _find(okg, "resident_eager")
         diff = _find(okg, "diffusers")
         activations = max(0, eager["peak_alloc_bytes"] - eager["weight_bytes"]) if eager else None
-        block_bytes = doc["workloads"].get(wl, {}).get("block_bytes") or [0]
-        two_units = sum(sorted(block_bytes)[-2:])
+        # a unit holds a block or a module outside them (a 1 GB embedding or LM head outweighs a Llama block)
+        info = doc["workloads"].get(wl, {})
+        unit_bytes = list(info.get("block_bytes") or [0]) + list((info.get("outside_block_bytes") or {}).values())
+        two_units = sum(sorted(unit_bytes)[-2:])
         for r in (r for r in okg if r["system"] == "magi" and r.get("ratio") == 0.0):
             if eager is not None and eager["peak_alloc_bytes"] == 0:
                 out.append(_target("peak at ratio 0 <= 2 largest units + activations", f"{scope}, {r['label']}",
@@ -228,7 +242,8 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     slots: dict[tuple[Any, ...], int] = {}
     for i, d in enumerate(docs):
         for name, w in d["workloads"].items():
-            out["workloads"].setdefault(name, copy.deepcopy(w))
+            if name not in out["workloads"] or out["workloads"][name].get("status") == "skipped":
+                out["workloads"][name] = copy.deepcopy(w)  # a part that built the model beats one that skipped it
         out["notes"] += [n for n in d.get("notes", []) if n not in out["notes"]]
         for r in d["runs"]:
             r = {k: v for k, v in copy.deepcopy(r).items() if k not in DERIVED}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +143,23 @@ def dynamo_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def main_tensor(out: Any) -> torch.Tensor:
+    """The tensor a model call is judged by: the output itself, a ModelOutput's first set field, a tuple's first.
+
+    transformers' and diffusers' outputs (``logits``, ``sample``) are ordered dicts whose first non-None field is
+    the model's result; ``return_dict=False`` gives the same as the first element of a tuple.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        for value in out.values():
+            if value is not None:
+                return main_tensor(value)
+    if isinstance(out, tuple | list) and out:
+        return main_tensor(out[0])
+    raise TypeError(f"cannot find the main tensor of a {type(out).__name__} output")
 
 
 def max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

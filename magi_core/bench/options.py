@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 
+from magi_core.bench.real.common import REAL_WORKLOADS
 from magi_core.errors import ConfigError
 
 SYSTEMS = ("resident_eager", "resident_compiled", "magi", "diffusers", "accelerate")
+#: The bench's own synthetic models, then the models built from transformers / diffusers classes (``--models``).
+MODELS = ("mlp", "transformer", *REAL_WORKLOADS)
 #: ``core``: the first policy at every ratio and budget, the other policies at the budgets only; ``full``: every
 #: policy at every ratio and budget.
 GRIDS = ("core", "full")
@@ -68,13 +71,21 @@ class BenchOptions:
     time_budget_s: float | None = None
     grid: str = "core"
     accelerate_all_tokens: bool = False
+    llama_layers: int | None = None
+    wan_layers: int | None = None
+    compile_backend: str = "inductor"
+    """``torch.compile`` backend of the resident compiled system (Inductor; the CPU tests use ``aot_eager``)."""
     out: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for m in self.models:
-            if m not in ("mlp", "transformer"):
-                raise ConfigError(f"unknown model {m!r}; choose from mlp, transformer")
+            if m not in MODELS:
+                raise ConfigError(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+        for name in ("llama_layers", "wan_layers"):
+            n = getattr(self, name)
+            if n is not None and n < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {n}")
         for s in self.systems:
             if s not in SYSTEMS:
                 raise ConfigError(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
@@ -105,6 +116,12 @@ class BenchOptions:
         if self.tokens is not None:
             overrides["tokens"] = tuple(self.tokens)
         return replace(base, **overrides)
+
+    def real_preset(self, is_accelerator: bool) -> str:
+        """Size of the real-library models: full (accelerators), quick (4 layers, one token count), tiny (cpu)."""
+        if not is_accelerator:
+            return "tiny"
+        return "quick" if self.quick else "full"
 
     def time_budget(self, is_accelerator: bool) -> float | None:
         """Seconds after which configurations not yet started are skipped: the option, else 420 s on accelerators.

@@ -127,9 +127,17 @@ def doc_markdown(doc: dict[str, Any], plot: Path | None, md_dir: Path) -> list[s
         "",
     ]
     for name, w in doc["workloads"].items():
+        if w.get("status") == "skipped":
+            lines.append(f"- **{name}**: skipped: {w.get('reason', '')}")
+            continue
         shape = ", ".join(f"{k}={v}" for k, v in w["shape"].items())
         lines.append(f"- **{name}**: {human_bytes(w['weight_bytes'])} of {w['dtype']} weights, "
                      f"{len(w['block_bytes'])} blocks ({shape})")
+        for tok, t in w.get("tokens", {}).items():
+            if "tflop" in t:
+                lines.append(f"  - {tok} tokens: {t['tflop']:.1f} TFLOP; on an H200 compute "
+                             f"{t['compute_ms_h200'][0]:.0f}-{t['compute_ms_h200'][1]:.0f} ms against "
+                             f"{t['transfer_ms_h200']:.0f} ms of transfer: {t['regime_h200']}")
     lines += [f"- note: {n}" for n in doc.get("notes", [])]
     lines.append("")
     if plot is not None:
@@ -224,13 +232,17 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     except ImportError:
         logger.warning("matplotlib is not installed (pip install 'magi-core[bench]'): no plot written")
         return None
-    wls = sorted({r["workload"] for r in doc["runs"]})
-    toks = sorted({r["tokens"] for r in doc["runs"]})
+    wls = sorted({r["workload"] for r in analysis.ok_runs(doc)})
+    toks = {wl: sorted({r["tokens"] for r in doc["runs"] if r["workload"] == wl}) for wl in wls}
     if not wls:
         return None
-    fig, axes = plt.subplots(len(wls), len(toks), figsize=(6.0 * len(toks), 4.4 * len(wls)), squeeze=False)
+    cols = max(len(t) for t in toks.values())
+    fig, axes = plt.subplots(len(wls), cols, figsize=(6.0 * cols, 4.4 * len(wls)), squeeze=False)
     bw = doc["h2d_GBps"] * 1e9
-    for (i, wl), (j, tok) in ((a, b) for a in enumerate(wls) for b in enumerate(toks)):
+    for i, wl in enumerate(wls):
+        for j in range(len(toks[wl]), cols):
+            axes[i][j].set_visible(False)  # models run at their own token counts: rows differ in length
+    for (i, wl), (j, tok) in ((a, b) for a in enumerate(wls) for b in enumerate(toks[a[1]])):
         ax = axes[i][j]
         runs = [r for r in analysis.ok_runs(doc) if r["workload"] == wl and r["tokens"] == tok]
         for pol in sorted({r["policy"] for r in runs if r["system"] == "magi"}):

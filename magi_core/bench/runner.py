@@ -10,6 +10,7 @@ import platform
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import magi_core
 from magi_core.bench import analysis, measure
 from magi_core.bench.models import TransformerSpec
 from magi_core.bench.options import BenchOptions, Sizes
+from magi_core.bench.real import REAL_WORKLOADS, default_tokens, missing_library, real_workload, regime
 from magi_core.bench.systems import Prepared, SystemSkipped, SystemSpec, cleanup, prepare
 from magi_core.bench.workloads import MLPShape, Workload, mlp_workload, transformer_workload
 from magi_core.plugin.facade import Backend
@@ -27,6 +29,9 @@ from magi_core.plugin.manager import get_backend
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+#: Systems whose outputs every later run is also compared with (``max_rel_err_vs``): the issue judges errors against
+#: the compiled resident run.
+RESIDENTS = ("resident_eager", "resident_compiled")
 NOT_MEANINGFUL = ("cpu backend: tiny models on the host, no accelerator; the figures exercise the harness and are "
                   "not meaningful as performance results")
 
@@ -58,15 +63,44 @@ def system_specs(options: BenchOptions) -> list[SystemSpec]:
     return specs
 
 
-def workloads(options: BenchOptions, sizes: Sizes) -> Iterator[Workload]:
-    """The selected models at ``sizes`` (built lazily, one at a time)."""
+@dataclass(frozen=True)
+class Unavailable:
+    """A selected model that cannot be built here (its library is missing); its runs are recorded as skipped."""
+
+    name: str
+    reason: str
+    tokens: tuple[int, ...]
+
+
+def workloads(options: BenchOptions, sizes: Sizes, preset: str = "full") -> Iterator[Workload | Unavailable]:
+    """The selected models at ``sizes`` (built lazily, one at a time); real-library models at ``preset`` size.
+
+    A real model's token counts are its preset's (its three regimes at full size) unless ``--tokens`` is given.
+    """
     for name in options.models:
         if name == "mlp":
             yield mlp_workload(MLPShape(sizes.mlp_hidden, sizes.mlp_layers), options.torch_dtype)
-        else:
+        elif name == "transformer":
             yield transformer_workload(TransformerSpec(layers=sizes.tf_layers, hidden=sizes.tf_hidden,
                                                        heads=sizes.tf_heads, ffn_mult=sizes.tf_ffn_mult,
                                                        dtype=options.torch_dtype))
+        elif name in REAL_WORKLOADS:
+            tokens = tuple(options.tokens) if options.tokens else default_tokens(name, preset)
+            why = missing_library(name)
+            if why is not None:
+                yield Unavailable(name, why, tokens)
+                continue
+            layers = options.llama_layers if name == "llama8b" else options.wan_layers
+            w = real_workload(name, options.torch_dtype, preset, layers)
+            w.tokens = tokens
+            yield w
+        else:
+            raise ValueError(f"unknown model {name!r}")
+
+
+def token_counts(w: Workload, sizes: Sizes) -> tuple[int, ...]:
+    """The token counts ``w`` runs at: its own when it has them, else the run's."""
+    return w.tokens if w.tokens else sizes.tokens
 
 
 def environment(backend: Backend) -> dict[str, Any]:
@@ -112,48 +146,72 @@ def shm_note(backend: Backend, largest_weights: int) -> str | None:
             "tmpfs")
 
 
-def _record_base(w: Workload, spec: SystemSpec, tokens: int) -> dict[str, Any]:
+def _record_base_named(name: str, spec: SystemSpec, tokens: int, weight_bytes: int | None = None) -> dict[str, Any]:
+    budget = None
+    if spec.budget_fraction is not None and weight_bytes is not None:
+        budget = int(spec.budget_fraction * weight_bytes)
     return {
-        "workload": w.name, "tokens": tokens, "system": spec.kind, "label": spec.label, "policy": spec.policy,
-        "ratio": spec.ratio, "budget_fraction": spec.budget_fraction,
-        "budget_bytes": int(spec.budget_fraction * w.weight_bytes) if spec.budget_fraction is not None else None,
+        "workload": name, "tokens": tokens, "system": spec.kind, "label": spec.label, "policy": spec.policy,
+        "ratio": spec.ratio, "budget_fraction": spec.budget_fraction, "budget_bytes": budget,
     }
 
 
+def _record_base(w: Workload, spec: SystemSpec, tokens: int) -> dict[str, Any]:
+    return _record_base_named(w.name, spec, tokens, w.weight_bytes)
+
+
 def _run_tokens(backend: Backend, w: Workload, p: Prepared, tokens: int, options: BenchOptions,
-                reference: dict[int, tuple[torch.Tensor, str]], label: str, host_timing: bool) -> dict[str, Any]:
-    """Warm up, time ``options.steps`` steps at ``tokens`` and collect every per-configuration figure."""
-    x = w.make_input(tokens, backend.device())
+                reference: dict[int, dict[str, torch.Tensor]], label: str, host_timing: bool) -> dict[str, Any]:
+    """Warm up, time ``options.steps`` steps at ``tokens`` and collect every per-configuration figure.
+
+    The output compared against the reference is the call's main tensor (:func:`measure.main_tensor`: a
+    ModelOutput's ``logits`` or ``sample``).
+    """
+    args, kwargs = w.make_inputs(tokens, backend.device())
+
+    def call() -> Any:
+        return p.fn(*args, **kwargs)
+
     dm = backend.device_module
     dm.synchronize()
     t0 = time.perf_counter()
-    p.fn(x)
+    call()
     dm.synchronize()
     first_call_s = time.perf_counter() - t0
     for _ in range(max(options.warmup, p.warmup_calls) - 1):
-        p.fn(x)
+        call()
     graphs_before = measure.dynamo_graphs()
     measure.reset_peak(backend)
-    times, out = measure.time_steps(backend, lambda: p.fn(x), options.steps, warmup=0)
+    times, result = measure.time_steps(backend, call, options.steps, warmup=0)
     peak_alloc, peak_reserved = measure.peak_memory(backend)
     recompiles = measure.dynamo_graphs() - graphs_before
-    if tokens not in reference:
-        reference[tokens] = (out.detach().to("cpu", copy=True), label)
+    out = measure.main_tensor(result)
+    finite = bool(torch.isfinite(out).all())
+    if not finite:
+        logger.warning("%s %d tokens %s: the output holds non-finite values", w.name, tokens, label)
+    refs = reference.setdefault(tokens, {})
+    if not refs or label in RESIDENTS:  # the first run is the error reference; both residents are kept as well
+        refs.setdefault(label, out.detach().to("cpu", copy=True))
+    first_label, first = next(iter(refs.items()))
     rec: dict[str, Any] = {
         "status": "ok",
         "step_ms": times.median_ms,
         "steps_ms": [round(t, 4) for t in times.device_ms],
-        "host_call_ms": measure.host_call_ms(backend, lambda: p.fn(x)) if p.host_timing and host_timing else None,
+        "host_call_ms": measure.host_call_ms(backend, call) if p.host_timing and host_timing else None,
         "host_call_backtoback_ms": times.host_median_ms,
         "peak_alloc_bytes": peak_alloc,
         "peak_reserved_bytes": peak_reserved,
         "setup_s": p.setup_s,
         "first_call_s": first_call_s,
         "recompiles": recompiles,
-        "max_rel_err": measure.max_rel_error(out, reference[tokens][0]),
-        "error_reference": reference[tokens][1],
+        "max_rel_err": measure.max_rel_error(out, first),
+        "error_reference": first_label,
+        "max_rel_err_vs": {ref: measure.max_rel_error(out, t) for ref, t in refs.items() if ref != label},
+        "output_finite": finite,
         "weight_bytes": w.weight_bytes,
     }
+    if w.flops is not None and times.median_ms > 0:
+        rec["achieved_TFLOPs"] = w.flops(tokens) / (times.median_ms / 1e3) / 1e12
     rec.update({k: v for k, v in p.info.items()})
     rec.update({k: v for k, v in p.stats().items() if v is not None})
     return rec
@@ -187,25 +245,28 @@ def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
     specs = system_specs(options)
     budget = options.time_budget(backend.is_accelerator)
     doc["time_budget_s"] = budget
-    deadlines = _deadlines(options, sizes, start, budget)
-    for w, deadline in zip(workloads(options, sizes), deadlines, strict=True):
+    preset = options.real_preset(backend.is_accelerator)
+    deadlines = _deadlines(options, sizes, start, budget, preset)
+    for w, deadline in zip(workloads(options, sizes, preset), deadlines, strict=True):
+        if isinstance(w, Unavailable):
+            logger.warning("%s skipped: %s", w.name, w.reason)
+            doc["workloads"][w.name] = {"status": "skipped", "reason": w.reason}
+            doc["runs"] += [{**_record_base_named(w.name, spec, t), "status": "skipped", "reason": w.reason}
+                            for spec in specs for t in w.tokens]
+            continue
         if "magi" in options.systems:
-            with torch.device("meta"):
-                note = shm_note(backend, sum(p.numel() * p.element_size() for p in w.build().parameters()))
+            note = shm_note(backend, w.planned_bytes())
             if note is not None:
                 logger.warning("%s", note)
                 doc["notes"].append(note)
         t0 = time.perf_counter()
         w.materialize_base()
-        doc["workloads"][w.name] = {
-            "shape": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in w.shape.__dict__.items()},
-            "dtype": str(options.torch_dtype), "weight_bytes": w.weight_bytes, "block_bytes": w.block_bytes,
-            "materialize_base_s": time.perf_counter() - t0,
-        }
-        logger.info("%s: %.3f GB of weights, %d blocks", w.name, w.weight_bytes / 1e9, len(w.block_bytes))
-        reference: dict[int, tuple[torch.Tensor, str]] = {}
+        doc["workloads"][w.name] = workload_info(w, token_counts(w, sizes), time.perf_counter() - t0)
+        logger.info("%s: %.3f GB of weights, %d blocks, set up in %.1f s", w.name, w.weight_bytes / 1e9,
+                    len(w.block_bytes), doc["workloads"][w.name]["materialize_base_s"])
+        reference: dict[int, dict[str, torch.Tensor]] = {}
         for spec in specs:
-            doc["runs"] += _run_system(backend, w, spec, sizes.tokens, options, reference, deadline)
+            doc["runs"] += _run_system(backend, w, spec, token_counts(w, sizes), options, reference, deadline)
             if options.out is not None:
                 write_json(analysis.finalize(doc), options.out)
         w.release()
@@ -217,18 +278,44 @@ def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
     return doc
 
 
-def _deadlines(options: BenchOptions, sizes: Sizes, start: float, budget: float | None) -> list[float | None]:
+def workload_info(w: Workload, tokens: tuple[int, ...], setup_s: float) -> dict[str, Any]:
+    """What the result JSON says about a workload: shape, weight bytes (by dtype), blocks, and each token count.
+
+    For a model with a FLOP count, each token count carries its FLOPs and the regime it makes on an H200
+    (:func:`magi_core.bench.real.regime`) next to what the inputs are (e.g. the latent video shape).
+    """
+    by_dtype: dict[str, int] = {}
+    for weight in w.base.values():
+        key = str(weight.dtype)
+        by_dtype[key] = by_dtype.get(key, 0) + weight.numel() * weight.element_size()
+    info: dict[str, Any] = {
+        "shape": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in w.shape.__dict__.items()},
+        "dtype": str(w.dtype), "weight_bytes": w.weight_bytes, "weight_bytes_by_dtype": by_dtype,
+        "block_bytes": w.block_bytes, "outside_block_bytes": w.outside_bytes, "materialize_base_s": setup_s,
+    }
+    per_token: dict[str, Any] = {}
+    for t in tokens:
+        entry = dict(w.describe(t)) if w.describe is not None else {}
+        if w.flops is not None:
+            entry.update(regime(w.flops(t), w.weight_bytes))
+        if entry:
+            per_token[str(t)] = entry
+    if per_token:
+        info["tokens"] = per_token
+    return info
+
+
+def _deadlines(options: BenchOptions, sizes: Sizes, start: float, budget: float | None,
+               preset: str = "full") -> list[float | None]:
     """When each model's configurations stop being started: the budget split half evenly, half by weight bytes.
 
-    The deadlines are cumulative, so time a model leaves unused goes to the next one.
+    The deadlines are cumulative, so time a model leaves unused goes to the next one (a skipped model weighs
+    nothing).
     """
     names = list(options.models)
     if budget is None:
         return [None] * len(names)
-    sizes_b = []
-    for w in workloads(options, sizes):
-        with torch.device("meta"):
-            sizes_b.append(sum(p.numel() * p.element_size() for p in w.build().parameters()))
+    sizes_b = [0 if isinstance(w, Unavailable) else w.planned_bytes() for w in workloads(options, sizes, preset)]
     total = sum(sizes_b) or 1
     out: list[float | None] = []
     acc = 0.0
@@ -249,7 +336,7 @@ def skip_reason(spec: SystemSpec, tokens: int, tokens_list: tuple[int, ...], opt
 
 
 def _run_system(backend: Backend, w: Workload, spec: SystemSpec, tokens_list: tuple[int, ...], options: BenchOptions,
-                reference: dict[int, tuple[torch.Tensor, str]], deadline: float | None) -> list[dict[str, Any]]:
+                reference: dict[int, dict[str, torch.Tensor]], deadline: float | None) -> list[dict[str, Any]]:
     """Prepare one system and run it at every token count; failures are recorded, never raised."""
     records = [_record_base(w, spec, t) for t in tokens_list]
     if all(skip_reason(spec, t, tokens_list, options, deadline) for t in tokens_list):
@@ -258,7 +345,7 @@ def _run_system(backend: Backend, w: Workload, spec: SystemSpec, tokens_list: tu
         return records
     p: Prepared | None = None
     try:
-        p = prepare(w, backend, spec, compile_on_cpu=options.compile_on_cpu)
+        p = prepare(w, backend, spec, compile_on_cpu=options.compile_on_cpu, compile_backend=options.compile_backend)
         for r in records:
             why = skip_reason(spec, r["tokens"], tokens_list, options, deadline)
             if why is not None:

@@ -57,7 +57,8 @@ class SystemSpec:
 class Prepared:
     """A runnable system: the callable, its setup time, what it knows about its memory, and its teardown."""
 
-    fn: Callable[[torch.Tensor], Any]
+    fn: Callable[..., Any]
+    """Called with the workload's inputs: ``fn(*args, **kwargs)``."""
     setup_s: float
     warmup_calls: int
     info: dict[str, Any] = field(default_factory=dict)
@@ -67,10 +68,10 @@ class Prepared:
     """Also time single calls on an idle device (host overhead); off for the slow peers."""
 
 
-def _no_grad(fn: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
-    def run(x: torch.Tensor) -> Any:
+def _no_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
         with torch.no_grad():
-            return fn(x)
+            return fn(*args, **kwargs)
 
     return run
 
@@ -82,20 +83,23 @@ def _reset_dynamo() -> None:
     torch._dynamo.reset()
 
 
-def prepare_resident(workload: Workload, backend: Backend, compiled: bool, compile_on_cpu: bool) -> Prepared:
-    """The whole model on the device, run eagerly or through ``torch.compile`` (Inductor)."""
+def prepare_resident(workload: Workload, backend: Backend, compiled: bool, compile_on_cpu: bool,
+                     compile_backend: str = "inductor") -> Prepared:
+    """The whole model on the device, run eagerly or through ``torch.compile`` (``compile_backend``: Inductor)."""
     if compiled and not backend.is_accelerator and not compile_on_cpu:
         raise SystemSkipped("Inductor compile skipped on the cpu backend (pass --compile-on-cpu to force it)")
     t0 = time.perf_counter()
     model: nn.Module = workload.fresh().to(backend.device())
-    fn: Callable[[torch.Tensor], Any] = model
+    fn: Callable[..., Any] = model
+    info: dict[str, Any] = {"resident_bytes": workload.weight_bytes, "streamed_bytes": 0,
+                            "units": len(workload.block_bytes)}
     if compiled:
         _reset_dynamo()
-        fn = torch.compile(model, dynamic=False)  # one static graph per token count, as magi-core below
+        # one static graph per token count, as magi-core below
+        fn = torch.compile(model, dynamic=False, backend=compile_backend)
+        info["compile_backend"] = compile_backend
     backend.device_module.synchronize()
-    weights = workload.weight_bytes
-    return Prepared(_no_grad(fn), time.perf_counter() - t0, 1 if not compiled else 2,
-                    info={"resident_bytes": weights, "streamed_bytes": 0, "units": len(workload.block_bytes)})
+    return Prepared(_no_grad(fn), time.perf_counter() - t0, 1 if not compiled else 2, info=info)
 
 
 def _magi_config(spec: SystemSpec, weight_bytes: int) -> OffloadConfig:
@@ -160,16 +164,47 @@ def prefetch_hook_missing(model: nn.Module) -> bool:
         return False
 
 
+def _has_own_weights(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+
+
+def block_holder(model: nn.Module, block_prefix: str) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
+    """The module holding the block list named by ``block_prefix``, and the weight-holding modules outside it.
+
+    ``blocks`` (diffusers models, the bench's own) is held by the model itself: nothing is outside. For
+    ``model.layers`` (transformers' ``LlamaForCausalLM``) the holder is ``model`` and the LM head is outside. Raises
+    :class:`SystemSkipped` when a module on the way holds weights of its own (no group could own them).
+    """
+    path = block_prefix.split(".")[:-1]
+    outside: list[tuple[str, nn.Module]] = []
+    node, prefix = model, ""
+    for part in path:
+        if _has_own_weights(node):
+            raise SystemSkipped(f"{type(node).__name__} holds weights outside its children: no diffusers group owns "
+                                "them when the blocks are nested")
+        outside += [(prefix + name, child) for name, child in node.named_children()
+                    if name != part and (any(True for _ in child.parameters()) or any(True for _ in child.buffers()))]
+        node, prefix = node.get_submodule(part), prefix + part + "."
+    return node, outside
+
+
 def prepare_diffusers(workload: Workload, backend: Backend) -> Prepared:
     """diffusers group offloading: block level, one block per group, copy stream and ``record_stream``.
 
-    Applied as diffusers documents it for a plain ``nn.Module``: the blocks are a ``ModuleList`` that is a
-    direct child of the model, and everything outside them (final norm) becomes the top-level group that is
-    onloaded for each call. A model with nothing outside its blocks (the MLP stack) gets a 1-element host
-    buffer so that diffusers forms that group and its prefetch hook (see :func:`has_top_level_group`), as it
-    does for every diffusers model (embeddings, output norms). The first call records the execution order
-    (blocking copies); later calls prefetch the next block on the copy stream. On the cpu backend the stream
-    variant cannot run: the same offloading runs with ``use_stream=False`` (checks correctness, not speed).
+    Applied as diffusers documents it (``apply_group_offloading``, what ``ModelMixin.enable_group_offload`` calls):
+    the blocks are a ``ModuleList`` that is a direct child of the module offloaded, and everything outside them
+    (embeddings, final norm) becomes the top-level group that is onloaded for each call. A model with nothing
+    outside its blocks (the MLP stack) gets a 1-element host buffer so that diffusers forms that group and its
+    prefetch hook (see :func:`has_top_level_group`), as it does for every diffusers model. The first call records
+    the execution order (blocking copies); later calls prefetch the next block on the copy stream. On the cpu
+    backend the stream variant cannot run: the same offloading runs with ``use_stream=False`` (checks correctness,
+    not speed).
+
+    Blocks one level down (transformers' ``LlamaForCausalLM.model.layers``): the offloading is applied to the module
+    holding the block list (``LlamaModel``, whose embeddings and final norm form its top-level group), and each
+    weight-holding module outside it (the LM head) is a block-level group of its own, onloaded when called, blocking
+    and without the stream, as diffusers onloads a model's top-level group. diffusers 0.42 cannot nest stream groups:
+    ``block_modules=["model"]`` on the whole model raises "Hook with name layer_execution_tracker already exists".
     """
     if importlib.util.find_spec("diffusers") is None:
         raise SystemSkipped("diffusers is not installed (pip install 'magi-core[bench]')")
@@ -178,22 +213,27 @@ def prepare_diffusers(workload: Workload, backend: Backend) -> Prepared:
     use_stream = backend.is_accelerator
     t0 = time.perf_counter()
     model = workload.fresh()
-    if not block_lists(model):
-        raise SystemSkipped(f"{type(model).__name__} has no ModuleList/Sequential child for block-level offloading")
-    anchored = use_stream and not has_top_level_group(model)
+    holder, outside = block_holder(model, workload.block_prefix)
+    if not block_lists(holder):
+        raise SystemSkipped(f"{type(holder).__name__} has no ModuleList/Sequential child for block-level offloading")
+    anchored = use_stream and not has_top_level_group(holder)
     if anchored:
-        model.register_buffer(DIFFUSERS_ANCHOR, torch.zeros(1, dtype=workload.dtype), persistent=False)
-    apply_group_offloading(model, onload_device=backend.device(), offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
-                           record_stream=use_stream)
-    if use_stream and prefetch_hook_missing(model):
+        holder.register_buffer(DIFFUSERS_ANCHOR, torch.zeros(1, dtype=workload.dtype), persistent=False)
+    device, host = backend.device(), torch.device("cpu")
+    apply_group_offloading(holder, onload_device=device, offload_device=host, offload_type="block_level",
+                           num_blocks_per_group=1, use_stream=use_stream, record_stream=use_stream)
+    for _, module in outside:
+        apply_group_offloading(module, onload_device=device, offload_device=host, offload_type="block_level",
+                               num_blocks_per_group=1)
+    if use_stream and prefetch_hook_missing(holder):
         raise RuntimeError("diffusers installed no lazy prefetch hook on the model: its stream copies would race the "
                            "blocks' kernels; check has_top_level_group() against this diffusers version")
     backend.device_module.synchronize()
     return Prepared(_no_grad(model), time.perf_counter() - t0, 2,
                     info={"resident_bytes": 0, "streamed_bytes": workload.weight_bytes,
                           "units": len(workload.block_bytes), "diffusers_use_stream": use_stream,
-                          "diffusers_prefetch_anchor": anchored}, host_timing=False)
+                          "diffusers_prefetch_anchor": anchored,
+                          "diffusers_separate_groups": [name for name, _ in outside]}, host_timing=False)
 
 
 def prepare_accelerate(workload: Workload, backend: Backend) -> Prepared:
@@ -211,10 +251,11 @@ def prepare_accelerate(workload: Workload, backend: Backend) -> Prepared:
                           "units": sum(1 for m in model.modules() if not list(m.children()))}, host_timing=False)
 
 
-def prepare(workload: Workload, backend: Backend, spec: SystemSpec, compile_on_cpu: bool = False) -> Prepared:
+def prepare(workload: Workload, backend: Backend, spec: SystemSpec, compile_on_cpu: bool = False,
+            compile_backend: str = "inductor") -> Prepared:
     """Set up ``spec`` on a fresh copy of ``workload``'s model."""
     if spec.kind in ("resident_eager", "resident_compiled"):
-        return prepare_resident(workload, backend, spec.kind == "resident_compiled", compile_on_cpu)
+        return prepare_resident(workload, backend, spec.kind == "resident_compiled", compile_on_cpu, compile_backend)
     if spec.kind == "magi":
         return prepare_magi(workload, backend, spec)
     if spec.kind == "diffusers":
