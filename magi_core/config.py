@@ -47,6 +47,8 @@ UNIT_COMPILERS = ("auto", "inductor", "eager")
 #: How streamed weights are copied: "auto" (by backend kind), one copy per unit into a planned device buffer,
 #: or one copy per weight.
 TRANSFERS = ("auto", "unit", "per_tensor")
+#: Whether ranks of a node that stream the same weights fetch a share each and all-gather the rest.
+EXCHANGES = ("off", "auto", "on")
 
 
 class Policy(str, Enum):
@@ -103,6 +105,11 @@ class OffloadConfig:
     unit's streamed weights are one copy per host storage into a fixed place of one device buffer planned for
     the step, with views made once: no allocation and one copy call per unit) or "per_tensor" (one copy per
     weight, each allocated from the device's caching allocator), see :mod:`magi_core.execute.transfer`.
+    ``exchange``: "off" (default), "auto" or "on": ranks of one node running the same graph on identical
+    host weights (torch.distributed initialised, e.g. under torchrun) each copy ``1/N`` of every unit from the
+    host and all-gather the rest over the device interconnect (:mod:`magi_core.execute.transfer.exchange`);
+    "auto" does so on accelerators when the node has more than one rank, "on" also on the host backend (gloo)
+    and fails when there is no process group. Batches whose bytes differ between ranks are copied whole.
 
     Every field can also come from ``MAGI_OFFLOAD_<FIELD>`` (e.g. ``MAGI_OFFLOAD_POLICY=base``), but only where
     the code left the default: the config records which fields were passed to the constructor
@@ -123,6 +130,7 @@ class OffloadConfig:
     bandwidth_probe_bytes: int | None = None
     direct_unit_calls: bool = True
     transfer: str = "auto"
+    exchange: str = "off"
     #: True on configs returned by :func:`resolve_config` (environment applied); set per instance, never
     #: compared, and not carried over by :meth:`replace`.
     _resolved: ClassVar[bool] = False
@@ -172,6 +180,9 @@ class OffloadConfig:
         if not isinstance(self.transfer, str) or self.transfer.strip().lower() not in TRANSFERS:
             raise _range("transfer", self.transfer, " / ".join(repr(c) for c in TRANSFERS))
         set_(self, "transfer", self.transfer.strip().lower())
+        if not isinstance(self.exchange, str) or self.exchange.strip().lower() not in EXCHANGES:
+            raise _range("exchange", self.exchange, " / ".join(repr(c) for c in EXCHANGES))
+        set_(self, "exchange", self.exchange.strip().lower())
 
     # -- derived values -----------------------------------------------------------------------------
     def probe_bytes(self, is_accelerator: bool) -> int:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
 
 from magi_core.compile.device_branches import warn_device_branches
+from magi_core.compile.exchange import exchange_transfer
 from magi_core.compile.lifecycle import OffloadLifecycle
 from magi_core.config import OffloadConfig, resolve_config
 from magi_core.errors import ConfigError, MagiError
@@ -33,6 +34,9 @@ from magi_core.passes.split import split_into_units
 from magi_core.passes.weights import mutated_module_state
 from magi_core.plan.registry import check_policy
 from magi_core.plugin.manager import get_backend
+
+if TYPE_CHECKING:
+    from magi_core.host import HostWeights
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ def config_from_options(options: Mapping[str, Any] | OffloadConfig | None) -> Of
 
 
 def build_runtime(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: OffloadConfig
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: OffloadConfig, host: HostWeights | None = None
 ) -> OffloadLifecycle:
     """Place ``gm`` on the backend's device, split it into units and wrap the executor in its warm-up lifecycle."""
     written = mutated_module_state(gm)
@@ -80,9 +84,10 @@ def build_runtime(
     everything_resident = config.gpu_resident_weight_ratio >= 1.0 and config.max_unit_bytes is None
     split = split_into_units(gm, example_inputs, max_unit_bytes=config.max_unit_bytes, one_unit=everything_resident)
     # the backend's capabilities decide "auto" and whether generated unit code is called directly
+    transfer = exchange_transfer(config, backend, device, host) or config.transfer
     executor = OffloadExecutor(
         split, backend, device, unit_compiler=backend.resolve_unit_compiler(config.unit_compiler),
-        direct_unit_calls=backend.allows_direct_unit_calls(config.direct_unit_calls), transfer=config.transfer,
+        direct_unit_calls=backend.allows_direct_unit_calls(config.direct_unit_calls), transfer=transfer,
     )
     runtime = OffloadLifecycle(executor, config)
     logger.info(
@@ -97,11 +102,15 @@ def magi_offload_backend(
     example_inputs: Sequence[Any],
     options: Mapping[str, Any] | OffloadConfig | None = None,
     mode: str | None = None,
+    host: HostWeights | None = None,
     **kwargs: Any,
 ) -> OffloadLifecycle:
-    """torch.compile backend: run ``gm`` with its weights streamed from host memory to the accelerator."""
+    """torch.compile backend: run ``gm`` with its weights streamed from host memory to the accelerator.
+
+    ``host``: the offloaded model's host weights (given by its handle), which say which weights ranks share.
+    """
     if mode is not None:
         logger.warning("magi_offload ignores torch.compile(mode=%r); use options={...} instead", mode)
     if kwargs:
         logger.warning("magi_offload ignores unknown backend arguments %s", sorted(kwargs))
-    return build_runtime(gm, example_inputs, config_from_options(options))
+    return build_runtime(gm, example_inputs, config_from_options(options), host)

@@ -163,7 +163,8 @@ class _BoundBackend:
         handle = self._handle()
         if handle is not None:
             handle.check_usable()
-        runtime = magi_offload_backend(gm, example_inputs, options, **kwargs)
+        runtime = magi_offload_backend(gm, example_inputs, options, host=None if handle is None else handle.host,
+                                       **kwargs)
         if handle is not None:
             handle.add_runtime(runtime)
         return runtime

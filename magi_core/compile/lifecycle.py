@@ -117,7 +117,7 @@ class OffloadLifecycle:
             compute_ms = broadcast_profiles([float(x) for x in self._timer.elapsed_ms()])
             self._timer = None
         self.profiles = unit_profiles(self.executor.units, compute_ms, self.executor.transfer.nbytes)
-        self.bandwidth_Bps = self._bandwidth()
+        self.bandwidth_Bps = self.executor.transfer.rate(self._bandwidth())
         plan = self._planner(self.profiles, self.bandwidth_Bps, self.config)
         actions = self.executor.set_plan(plan)
         self.phase = "planned"

@@ -229,6 +229,7 @@ class OffloadExecutor:
             resident.fill(args, env, self.transfer, compute, changed)
             events: list[Any] = [None] * len(actions.batches)
             try:
+                self.transfer.begin_step(args)
                 self._start(args, env, events, actions, changed)
                 self._units(args, env, events, actions, compute, timer)
             except BaseException:

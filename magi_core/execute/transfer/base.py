@@ -56,6 +56,14 @@ class WeightTransfer(Protocol):
         """A step failed part way: weights it fetched will not be released."""
         ...
 
+    def begin_step(self, args: Sequence[Any]) -> None:
+        """A step starts with these inputs (weights at the installed actions' input indices), before any fetch."""
+        ...
+
+    def rate(self, measured_Bps: float) -> float:
+        """The rate to plan with, given the measured host-to-device bandwidth."""
+        ...
+
     def close(self) -> None:
         """Drop what the transfer keeps for the installed actions (the executor is closing)."""
         ...
@@ -83,6 +91,13 @@ class PerTensorTransfer:
 
     def abort(self) -> None:
         """Nothing kept per step."""
+
+    def begin_step(self, args: Sequence[Any]) -> None:
+        """Nothing to prepare per step."""
+
+    def rate(self, measured_Bps: float) -> float:
+        """Weights move at the measured host-to-device rate."""
+        return measured_Bps
 
     def close(self) -> None:
         """Nothing kept per plan."""

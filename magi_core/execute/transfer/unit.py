@@ -122,7 +122,7 @@ class UnitTransfer(PerTensorTransfer):
     def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
         """Place ``actions``' copy batches (``sizes``: bytes of each batch's weights) in a new device buffer."""
         self._drop_buffer()
-        slot_bytes = [sum(_aligned(n) for n in ws) for ws in sizes]
+        slot_bytes = [self._place_bytes(ws) for ws in sizes]
         packing = pack(slot_bytes, batch_lifetimes(actions), BATCH_ALIGNMENT)
         carried = set(actions.carry)
         at_start = {b for b in actions.start if b not in carried}
@@ -134,6 +134,10 @@ class UnitTransfer(PerTensorTransfer):
         if packing.total:  # allocated on the copy stream, which writes it first
             with self._stream_ctx(self.copy_stream):
                 self._buffer = torch.empty(packing.total, dtype=torch.uint8, device=self.device)
+
+    def _place_bytes(self, sizes: Sequence[int]) -> int:
+        """Bytes of a batch's place for weights of these sizes (each aligned to :data:`WEIGHT_ALIGNMENT`)."""
+        return sum(_aligned(n) for n in sizes)
 
     def close(self) -> None:
         """Forget the plan's buffer (after the compute stream's queued work, which may still read it)."""
