@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from magi_core.compile.device_branches import device_branch_reasons
-from magi_core.execute.actions import build_actions, unit_profiles
+from magi_core.execute.actions import batch_lifetimes, build_actions, unit_profiles
 from magi_core.passes.units import OffloadUnit, WeightSlot
 from magi_core.plan.contract import Plan
 
@@ -70,6 +70,23 @@ def test_next_step_batches_are_carried():
     assert a.carry == a.start[:1]
     order = a.copy_order()
     assert order[-1] == 3 and order.count(3) == 1
+
+
+def test_next_step_batches_issued_earlier_live_from_there():
+    # unit 0 resident; unit 1's weight 3 is carried, issued before unit 2 (after its own last use in unit 1)
+    # rather than before the last unit; unit 3's weight 4 is the step's only other copy, issued at unit 0
+    us = units(SPEC)
+    early_plan = Plan("T", frozenset({0}), {-1: (1,), 0: (3,), 1: (), 2: (), 3: ()}, next_step=(1,), next_step_at=2)
+    early_plan.validate(unit_profiles(us))
+    early = build_actions(us, early_plan)
+    assert early.carry_at == 2 and early.carry_unit == 2
+    (carried,) = early.carry
+    assert early.batches[carried] == (3,)
+    assert early.copy_order() == [4, 3]  # the step's own copy, then the next step's
+    lives = batch_lifetimes(early)
+    assert lives[carried] == ((0, 3), (4, 7))  # this step until unit 1; from unit 2's issue to the step end
+    late = build_actions(us, Plan("T", frozenset({0}), early_plan.prefetch_at, next_step=(1,)))
+    assert late.carry_unit == 3 and batch_lifetimes(late)[late.carry[0]] == ((0, 3), (6, 7))
 
 
 class Branchy(nn.Module):

@@ -29,7 +29,7 @@ class StepActions:
     start: tuple[int, ...]
     """Batch ids issued at step start unless the previous step already carried them."""
     carry: tuple[int, ...]
-    """Batch ids issued during the last unit for the next step (a prefix of ``start``)."""
+    """Batch ids issued before unit :attr:`carry_at` for the next step (a prefix of ``start``)."""
     issue: tuple[tuple[int, ...], ...]
     """Per unit: batch ids issued on the copy stream just before launching it."""
     wait: tuple[tuple[int, ...], ...]
@@ -40,6 +40,13 @@ class StepActions:
     """Bytes copied per step (steady state)."""
     resident_bytes: int
     """Bytes kept on the device."""
+    carry_at: int = -1
+    """The unit before whose launch the next step's batches (:attr:`carry`) are issued (-1: the last)."""
+
+    @property
+    def carry_unit(self) -> int:
+        """:attr:`carry_at` as a unit index."""
+        return len(self.issue) - 1 if self.carry_at == -1 else self.carry_at
 
     def copy_order(self) -> list[int]:
         """Streamed weight input indices in the order one steady-state step copies them (carry last)."""
@@ -51,7 +58,7 @@ class StepActions:
         for u, ids in enumerate(self.issue):
             for b in ids:
                 order.extend(self.batches[b])
-            if u == len(self.issue) - 1:
+            if u == self.carry_unit:
                 for b in self.carry:
                     order.extend(self.batches[b])
         return order
@@ -126,6 +133,7 @@ def build_actions(units: list[OffloadUnit], plan: Plan, transfer_bytes: BytesFn 
         free=tuple(tuple(sorted(f)) for f in free),
         streamed_bytes=sum(transfer_bytes([nbytes[w] for w in ws]) for ws in batches),
         resident_bytes=sum(resident_w.values()),
+        carry_at=plan.carry_position(n) if carry else -1,
     )
 
 
@@ -186,7 +194,7 @@ def batch_lifetimes(actions: StepActions) -> list[tuple[tuple[int, int], ...]]:
         end = 2 * max((last.get(w, actions.batch_unit[b]) for w in ws), default=actions.batch_unit[b]) + 1
         first = 2 * issued.get(b, actions.batch_unit[b])
         if b in carried:
-            out.append(((0, end), (2 * (n - 1), 2 * n - 1)))
+            out.append(((0, end), (2 * actions.carry_unit, 2 * n - 1)))
         else:
             out.append(((first, end),))
     return out

@@ -185,10 +185,11 @@ class OffloadExecutor:
         # positions that issue copies: the host first waits for the unit HOST_LEAD_UNITS before them
         sync = [-1] * n
         for u in range(n):
-            if self.transfer.allocates and (actions.issue[u] or (u == n - 1 and actions.carry)):
+            if self.transfer.allocates and (actions.issue[u] or (u == actions.carry_unit and actions.carry)):
                 sync[u] = u - HOST_LEAD_UNITS
         self._sync_before = tuple(sync)
-        self._gate = tuple(bool(actions.issue[u]) or (u == n - 1 and bool(actions.carry)) for u in range(n))
+        carry_unit = actions.carry_unit
+        self._gate = tuple(bool(actions.issue[u]) or (u == carry_unit and bool(actions.carry)) for u in range(n))
         self._record_done = tuple(any(s == u for s in sync) for u in range(n))
         logger.debug(
             "magi offload plan %s: %d resident weights (%d B), %d B streamed per step in %d batches",
@@ -288,7 +289,7 @@ class OffloadExecutor:
         release = self.transfer.release
         range_push, range_pop = self._ranges
         names = self._range_names
-        last = self.n_units - 1
+        carry_unit, carry = actions.carry_unit, actions.carry
         timed_waits = self.measure_host_waits
         for u, lay in enumerate(layouts):
             issue = actions.issue[u]
@@ -304,7 +305,7 @@ class OffloadExecutor:
                 copy_wait(launch[u])
             for b in issue:
                 self._issue(b, args, env, events, batches)
-            if u == last and actions.carry:
+            if u == carry_unit and carry:
                 self._issue_carry(args, actions)
             for b in actions.wait[u]:
                 compute.wait_event(events[b])

@@ -88,9 +88,11 @@ def assemble(
     next_step: tuple[int, ...],
     bandwidth_Bps: float,
     notes: dict[str, float] | None = None,
+    next_step_at: int = -1,
 ) -> Plan:
     """Build a :class:`Plan` and fill its predictions from :func:`simulate` at ``bandwidth_Bps`` (steady state)."""
-    draft = Plan(policy=policy, resident=resident, prefetch_at=prefetch_at, next_step=next_step)
+    draft = Plan(policy=policy, resident=resident, prefetch_at=prefetch_at, next_step=next_step,
+                 next_step_at=next_step_at)
     sim = simulate(draft, profiles, bandwidth_Bps)
     resident_bytes = sum(profiles[u].weight_bytes for u in resident)
     all_notes = {
@@ -105,6 +107,7 @@ def assemble(
         resident=resident,
         prefetch_at=prefetch_at,
         next_step=next_step,
+        next_step_at=next_step_at,
         predicted_stall_ms=sim.stall_ms,
         predicted_step_ms=sim.step_ms,
         notes=all_notes,

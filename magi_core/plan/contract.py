@@ -106,10 +106,12 @@ class Plan:
     ``prefetch_at[-1]`` (:data:`STEP_START`) is issued at the start of a step, before unit 0.
 
     ``next_step``: a leading part of ``prefetch_at[-1]``. In steady state (when the previous call ran this
-    plan with the same weights), these copies are issued for the *next* step just before the last unit
-    ``n-1`` is launched, after ``prefetch_at[n-1]``; at the start of a step the executor then issues only
-    the units of ``prefetch_at[-1]`` not already in flight. On a cold step (the first call with this
-    plan) all of ``prefetch_at[-1]`` is issued at step start.
+    plan with the same weights), these copies are issued for the *next* step just before unit
+    ``next_step_at`` is launched (-1: the last unit ``n-1``), after ``prefetch_at[next_step_at]``; no copy of
+    the step itself is issued later than that (the copy stream is serial: it would wait behind them), and
+    each carried unit's own use ends before it. At the start of a step the executor then issues only the
+    units of ``prefetch_at[-1]`` not already in flight. On a cold step (the first call with this plan) all
+    of ``prefetch_at[-1]`` is issued at step start.
 
     ``predicted_step_ms`` / ``predicted_stall_ms``: steady-state step time and time the compute stream
     waits for weights, from :func:`~magi_core.plan.simulate` at the planning bandwidth.
@@ -123,6 +125,8 @@ class Plan:
     prefetch_at: dict[int, tuple[int, ...]]
     next_step: tuple[int, ...] = ()
     predicted_stall_ms: float = 0.0
+    #: Unit before whose launch the ``next_step`` copies are issued (-1: the last unit).
+    next_step_at: int = -1
     predicted_step_ms: float = 0.0
     notes: dict[str, float] = field(default_factory=dict)
 
@@ -159,6 +163,18 @@ class Plan:
         start = self.prefetch_at[STEP_START]
         if tuple(start[: len(self.next_step)]) != tuple(self.next_step):
             raise ValueError(f"next_step {self.next_step} must be a leading part of prefetch_at[-1] {start}")
+        at = self.carry_position(n)
+        if n and not 0 <= at <= n - 1:
+            raise ValueError(f"next_step_at={self.next_step_at} is not a unit position (-1 or 0..{n - 1})")
         for j in self.next_step:
-            if profiles[j].freed_after >= n - 1:
-                raise ValueError(f"unit {j} is still in use during the last unit; it cannot be in next_step")
+            if profiles[j].freed_after >= at:
+                where = "the last unit" if at == n - 1 else f"unit {at}"
+                raise ValueError(f"unit {j} is still in use during {where}; it cannot be in next_step")
+        if self.next_step:
+            late = [i for i in range(at + 1, n) if self.prefetch_at[i]]
+            if late:
+                raise ValueError(f"copies issued at positions {late}, after the next step's copies (at {at})")
+
+    def carry_position(self, n_units: int) -> int:
+        """The unit before whose launch ``next_step`` copies are issued."""
+        return n_units - 1 if self.next_step_at == -1 else self.next_step_at

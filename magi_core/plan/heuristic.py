@@ -87,7 +87,8 @@ def _windowed(
 
 
 def best_step_ms(profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float) -> float:
-    """The shortest steady-state step any plan with this resident set can reach at ``bandwidth_Bps``."""
+    """The shortest steady-state step a plan with this resident set reaches at ``bandwidth_Bps`` when the next
+    step's copies go out before the last unit (:func:`_earlier_carry` may then shorten it further)."""
     if not profiles:
         return 0.0
     tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
@@ -137,7 +138,49 @@ def heuristic_plan(
             else:
                 at[pos].append(j)
     prefetch_at = {i: tuple(v) for i, v in at.items()}
-    return assemble(policy, profiles, resident, prefetch_at, tuple(next_step), bandwidth_Bps, {"margin_ms": margin_ms})
+    plan = assemble(policy, profiles, resident, prefetch_at, tuple(next_step), bandwidth_Bps, {"margin_ms": margin_ms})
+    if window is None and n > 1:
+        plan = _earlier_carry(plan, profiles, bandwidth_Bps, margin_ms)
+    return plan
+
+
+#: How many more leading units than the latest-trigger plan carries :func:`_earlier_carry` tries to carry.
+_EXTRA_CARRIED = 3
+
+
+def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, margin_ms: float) -> Plan:
+    """The plan whose next-step copies start earlier in the step, when that shortens the steady step.
+
+    Copies for the next step are issued before the last unit by default; when that unit computes less than
+    they take to copy (an LM head after a large embedding), the next step's first unit waits. Trying every
+    earlier issue position (copies of this step that were triggered later move there, ahead of them) and a
+    few more carried units, keep the shortest predicted step; among equal ones the latest position and the
+    fewest carried units (least memory held across the boundary).
+    """
+    n = len(profiles)
+    streamed = plan.streamed()
+    best = plan
+    base_k = len(plan.next_step)
+    for k in range(base_k, min(len(streamed), base_k + _EXTRA_CARRIED) + 1):
+        carried = tuple(streamed[:k])
+        if not carried:
+            continue
+        latest_use = max(profiles[j].freed_after for j in carried)
+        for p in range(n - 1, latest_use, -1):
+            at: dict[int, list[int]] = {i: [j for j in v if j not in carried] for i, v in plan.prefetch_at.items()}
+            at[STEP_START] = [*carried, *at[STEP_START]]
+            for i in range(p + 1, n):  # this step's copies go out before the next step's
+                at[p] += at[i]
+                at[i] = []
+            draft = Plan(plan.policy, plan.resident, {i: tuple(v) for i, v in at.items()}, carried, next_step_at=p)
+            try:
+                step = simulate(draft, profiles, bandwidth_Bps).step_ms
+            except ValueError:
+                continue
+            if step < best.predicted_step_ms * (1 - 1e-9) - 1e-9:
+                best = assemble(plan.policy, profiles, plan.resident, draft.prefetch_at, carried, bandwidth_Bps,
+                                {"margin_ms": margin_ms}, next_step_at=p)
+    return best
 
 
 def stall_removing_residency(

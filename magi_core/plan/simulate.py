@@ -43,51 +43,73 @@ def transfer_ms(nbytes: int, bandwidth_Bps: float) -> float:
 def simulate(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, steady: bool = True) -> SimResult:
     """Model one step of ``plan`` at ``bandwidth_Bps``.
 
-    ``steady=True``: the previous step ran the same plan, so ``plan.next_step`` copies were issued during
-    its last unit (their copies start ``compute_ms`` of the last unit before this step's start, when the
-    copy stream is free). ``steady=False``: a cold step, all of ``prefetch_at[-1]`` is issued at the start.
-    Either way the step issues ``next_step`` copies for the following step before its last unit, and
-    those bytes count towards the peak.
+    ``steady=True``: the previous step ran the same plan, so ``plan.next_step`` copies were issued before its
+    unit ``next_step_at`` (the last by default), starting once the copy stream was free there; their start
+    relative to this step comes from a first pass of the same step (the previous one ran alike).
+    ``steady=False``: a cold step, all of ``prefetch_at[-1]`` is issued at the start. Either way the step
+    issues ``next_step`` copies for the following step, and those bytes count towards the peak.
     """
     plan.validate(profiles)
     n = len(profiles)
     if n == 0:
         return SimResult(0.0, 0.0, 0, (), (), {}, {})
     tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
+    at = plan.carry_position(n)
+    if not (steady and plan.next_step):
+        return _run(plan, profiles, tms, at, None).result
+    first = _run(plan, profiles, tms, at, (-sum(p.compute_ms for p in profiles[at:]),) * 2)
+    step = first.result.step_ms
+    regular_end = max((e for j, e in first.result.copy_end_ms.items() if j not in plan.next_step), default=-math.inf)
+    t0 = first.launch_ms[at] - step
+    return _run(plan, profiles, tms, at, (t0, max(t0, regular_end - step))).result
+
+
+@dataclass(frozen=True)
+class _Run:
+    result: SimResult
+    launch_ms: tuple[float, ...]
+
+
+def _run(
+    plan: Plan, profiles: Sequence[UnitProfile], tms: Sequence[float], at: int, carried: tuple[float, float] | None
+) -> _Run:
+    """One pass; ``carried``: (issue time, earliest copy start) of the carried copies, None for a cold step."""
+    n = len(profiles)
     resident_bytes = sum(profiles[u].weight_bytes for u in plan.resident)
     events: list[tuple[float, int, int]] = []  # (time, order: 0 free / 1 alloc, +-bytes)
     copy_start: dict[int, float] = {}
     copy_end: dict[int, float] = {}
     copy_free = -math.inf
 
-    def issue(j: int, at: float, copy_from: float) -> None:
+    def issue(j: int, when: float, copy_from: float) -> None:
         nonlocal copy_free
         start = max(copy_from, copy_free)
         copy_start[j], copy_end[j] = start, start + tms[j]
         copy_free = copy_end[j]
-        events.append((at, 1, profiles[j].weight_bytes))
+        events.append((when, 1, profiles[j].weight_bytes))
 
     in_flight: set[int] = set()
-    if steady and plan.next_step:
-        t0 = -profiles[n - 1].compute_ms
+    if carried is not None:
         for j in plan.next_step:
-            issue(j, t0, t0)
+            issue(j, carried[0], carried[1])
             in_flight.add(j)
     start_ms: list[float] = []
     end_ms: list[float] = []
+    launch_ms: list[float] = []
     frees: dict[int, list[int]] = {}
     for j in plan.streamed():
         frees.setdefault(profiles[j].freed_after, []).append(profiles[j].weight_bytes)
     prev_end = 0.0
     for i in range(n):
         launch = prev_end
+        launch_ms.append(launch)
         if i == 0:
             for j in plan.prefetch_at[STEP_START]:
                 if j not in in_flight:
                     issue(j, launch, launch)
         for j in plan.prefetch_at[i]:
             issue(j, launch, launch)
-        if i == n - 1:
+        if i == at:
             for j in plan.next_step:  # for the next step: memory only, they queue behind this step's copies
                 events.append((launch, 1, profiles[j].weight_bytes))
         start = max(launch, copy_end[i]) if i in copy_end else launch
@@ -102,7 +124,7 @@ def simulate(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, 
         alive += delta
         peak = max(peak, alive)
     step = end_ms[-1]
-    return SimResult(
+    result = SimResult(
         step_ms=step,
         stall_ms=max(0.0, step - sum(p.compute_ms for p in profiles)),
         peak_device_bytes=resident_bytes + peak,
@@ -111,3 +133,4 @@ def simulate(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, 
         copy_start_ms=copy_start,
         copy_end_ms=copy_end,
     )
+    return _Run(result, tuple(launch_ms))
