@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 from hypothesis import given
 from hypothesis import strategies as st
-from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 
 import magi_core
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
@@ -144,7 +144,7 @@ def test_unit_transfer_never_writes_a_place_still_in_use() -> None:
     t = _unit_transfer([w0, w1])
     assert t._slots[0].offset == t._slots[1].offset
     first = _fetch(t, w0, 0)
-    second = _fetch(t, w1, 1)
+    _fetch(t, w1, 1)
     assert t.fallbacks == 1 and all(torch.equal(o.cpu(), w) for o, w in zip(first, w0, strict=True))
     for o in first:
         t.release(o, None)
