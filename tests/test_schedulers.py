@@ -386,3 +386,22 @@ def test_heuristic_plans_many_units_quickly() -> None:
     plan = build_plan(profiles, 10e9, OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5))
     plan.validate(profiles)
     assert math.isfinite(plan.predicted_step_ms)
+
+
+def test_heuristic_keeps_the_copy_stream_busy_when_copies_run_faster_than_planned() -> None:
+    # Copies (1 ms each at the measured rate, 1.11 ms at the planning rate) take as long as the compute: a copy
+    # triggered at the latest launch its planned start allows waits for compute whenever copies run at the
+    # measured rate, and the stream idles. With the measured rate known, each copy goes out no later than the
+    # previous one ends at that rate: shorter steps at either rate (more copies in flight).
+    profiles = make_profiles([100] * 6, [0.5, 1.3, 0.7, 1.3, 0.7, 1.0])
+    measured, planning = 1e5, 0.9e5
+    late = heuristic_plan(profiles, frozenset(), planning, 0.0)
+    busy = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured)
+    assert all(busy.trigger_of()[j] <= late.trigger_of()[j] for j in range(6))
+    assert busy.trigger_of() != late.trigger_of()
+    for bw in (measured, planning):
+        assert simulate(busy, profiles, bw).step_ms < simulate(late, profiles, bw).step_ms - 0.1
+    # compute-bound (copies 1 ms against 12 ms of compute): no reason to hold more copies in flight
+    heavy = make_profiles([100] * 6, [2.0] * 6)
+    assert heuristic_plan(heavy, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured).trigger_of() == \
+        heuristic_plan(heavy, frozenset(), planning, 0.0).trigger_of()

@@ -39,6 +39,9 @@ from magi_core.plan.simulate import simulate, transfer_ms
 if TYPE_CHECKING:
     from magi_core.config import OffloadConfig
 
+#: Copies taking at least this share of the compute time (at the measured rate) keep the copy stream busy.
+BUSY_SHARE = 0.8
+
 #: Position meaning "issued during the previous step's last unit" (``Plan.next_step``), internal only.
 _PREVIOUS_STEP = -2
 
@@ -97,13 +100,19 @@ def best_step_ms(profiles: Sequence[UnitProfile], resident: frozenset[int], band
 
 def heuristic_plan(
     profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float, margin_ms: float,
-    policy: str = "HEURISTIC", window: int | None = None,
+    policy: str = "HEURISTIC", window: int | None = None, fast_bandwidth_Bps: float | None = None,
 ) -> Plan:
     """Latest-trigger plan for a given resident set (``bandwidth_Bps`` already includes the safety factor).
 
     ``window``: None lets a copy be issued as many streamed units ahead as removes stall; an int ``w`` never
     issues one earlier than the look-ahead-``w`` plan would (at most ``w + 1`` streamed units on the device),
     and then matches that plan's step time with triggers as late as possible.
+
+    ``fast_bandwidth_Bps`` (the measured rate, before the safety factor): when copies take at least
+    :data:`BUSY_SHARE` of the compute time at that rate, the copy stream is (nearly) the bottleneck, and a
+    copy triggered at the launch its planned start allows would leave the stream idle whenever copies run
+    faster than planned (units then wait for compute, and launches come later than the previous copy's end):
+    each copy is then triggered no later than the previous one ends at the fast rate.
     """
     n = len(profiles)
     tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
@@ -121,6 +130,12 @@ def heuristic_plan(
             deadline = max(tl.start[j] - margin_ms, tl.copy_end[j])
             latest_start[j] = min(deadline, next_start) - tms[j]
             next_start = latest_start[j]
+        if fast_bandwidth_Bps is not None and window is None and tl.streamed:
+            fast = [transfer_ms(p.weight_bytes, fast_bandwidth_Bps) for p in profiles]
+            if sum(fast[j] for j in tl.streamed) >= BUSY_SHARE * sum(p.compute_ms for p in profiles):
+                tf = _earliest(profiles, resident, fast)
+                for prev, j in zip(tl.streamed, tl.streamed[1:], strict=False):
+                    latest_start[j] = min(latest_start[j], tf.copy_end[prev])
         # launch time of each position: previous step's last unit, step start, then unit i at end of i-1
         launch = {_PREVIOUS_STEP: -profiles[n - 1].compute_ms, STEP_START: 0.0}
         for i in range(n):
@@ -238,7 +253,7 @@ class HeuristicScheduler:
 
         def build(cap: int) -> Plan:
             resident = stall_removing_residency(profiles, cap, bw)
-            plan = heuristic_plan(profiles, resident, bw, margin, self.name)
+            plan = heuristic_plan(profiles, resident, bw, margin, self.name, fast_bandwidth_Bps=bandwidth_Bps)
             if budget is not None and plan.notes["peak_device_bytes"] > budget:
                 # too many copies ahead of the running unit for the budget: limit them to the look-ahead
                 plan = heuristic_plan(profiles, resident, bw, margin, self.name, window=config.lookahead)
