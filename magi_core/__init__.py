@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from magi_core.api import handle, offload, release
+from magi_core.api import handle, load, offload, release
 from magi_core.config import OffloadConfig, Policy
 from magi_core.errors import BackendError, ConfigError, HostRegisterError, MagiError
 from magi_core.plugin.facade import Backend
@@ -22,6 +22,7 @@ __all__ = [
     "get_backend",
     "handle",
     "list_backends",
+    "load",
     "offload",
     "release",
     "use_backend",

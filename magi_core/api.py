@@ -1,4 +1,5 @@
-"""The public entry points: :func:`offload` a model, reach its :func:`handle`, :func:`release` it."""
+"""The public entry points: :func:`offload` a model (or :func:`load` one built on the meta device from a
+checkpoint), reach its :func:`handle`, :func:`release` it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from magi_core.compile.device_inputs import OffloadedForward
 from magi_core.compile.handle import OffloadHandle
 from magi_core.config import OffloadConfig, resolve_config
 from magi_core.errors import ConfigError, MagiError
+from magi_core.host.config import HostOptions
+from magi_core.host.loading import Rename, SourceSpec
 from magi_core.host.materialize import materialize
 from magi_core.plan.registry import check_policy
 from magi_core.plugin.manager import get_backend
@@ -29,7 +32,8 @@ class InferenceOnlyWarning(UserWarning):
 _HANDLE_ATTR = "_magi_offload_handle"
 
 
-def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any = None, **compile_kwargs: Any) -> M:
+def offload(model: M, config: OffloadConfig | None = None, *, host_options: HostOptions | None = None,
+            **compile_kwargs: Any) -> M:
     """Materialise ``model``'s weights in host memory and make its forward run through the offload backend.
 
     Returns the same module (type, parameters and ``state_dict`` unchanged; parameters now live in
@@ -40,10 +44,37 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any 
     it. ``host_options`` (a :class:`~magi_core.host.HostOptions`) are passed to
     :func:`magi_core.host.materialize`; ``compile_kwargs`` (e.g. ``dynamic=False``) to :func:`torch.compile`.
     :func:`handle` gives the model's :class:`~magi_core.compile.handle.OffloadHandle`. Inference only: the
-    offloaded forward runs without autograd.
+    offloaded forward runs without autograd. A model built on the meta device: use :func:`load`.
     """
+    return _offload(model, config, host_options, compile_kwargs, "offload")
+
+
+def load(model: M, source: SourceSpec, config: OffloadConfig | None = None, *, strict: bool = True,
+         rename: Rename | None = None, host_options: HostOptions | None = None, **compile_kwargs: Any) -> M:
+    """Fill ``model`` (built on the meta device) from ``source`` straight into host memory, then offload it.
+
+    ``source``: a safetensors file, a directory of them, a sharded index (``*.safetensors.index.json``, as
+    transformers and diffusers save), a list of files, a :class:`~magi_core.host.WeightSource`, or a function
+    ``(name, meta_tensor) -> tensor`` (see :class:`~magi_core.host.CallableSource`). Each tensor is read once,
+    converted to the model's dtype where the checkpoint's differs (cast the meta model first:
+    ``model.to(torch.bfloat16)`` costs nothing), and written into its place in the shared host arena, through a
+    staging window of at most 5% of the weights; non-persistent buffers are recomputed by the model's own code.
+    ``strict`` (like ``load_state_dict``): tensors missing from the source or unknown to the model are an error
+    listing them; ``strict=False`` zero-fills missing ones and skips unknown ones (both listed in a warning).
+    Mis-shaped tensors are always an error. ``rename`` maps a checkpoint name to the model's (None: skip it).
+    Real tensors of the model that the source also holds are overwritten by it; the others keep their values.
+    Under torch.distributed every rank calls this: each tensor is read by one rank of a node and mapped by the
+    others. On failure nothing is left behind (no file, nothing registered) and the model is as it was. The
+    rest as for :func:`offload`; returns the same module (its parameters are new ``nn.Parameter`` objects).
+    """
+    return _offload(model, config, host_options, compile_kwargs, "load",
+                    {"source": source, "strict": strict, "rename": rename})
+
+
+def _offload(model: M, config: OffloadConfig | None, host_options: HostOptions | None,
+             compile_kwargs: dict[str, Any], entry: str, weights: dict[str, Any] | None = None) -> M:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"offload() takes an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"{entry}() takes an nn.Module, got {type(model).__name__}")
     if isinstance(model.__dict__.get(_HANDLE_ATTR), OffloadHandle) and not model.__dict__[_HANDLE_ATTR].released:
         raise MagiError(f"{type(model).__name__} is already offloaded; magi_core.release(model) it first")
     _check_compile_kwargs(compile_kwargs)  # before any host work
@@ -53,9 +84,10 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any 
     if training:
         _inference_only(f"{type(model).__name__} is in training mode ({', '.join(training[:5])}"
                         f"{', ...' if len(training) > 5 else ''} train); offloading is for inference: dropout stays "
-                        "active and nothing is learned. Call model.eval() before magi_core.offload(model)")
+                        f"active and nothing is learned. Call model.eval() before magi_core.{entry}(model)",
+                        stacklevel=4)  # the caller of offload() / load()
     h = OffloadHandle(type(model).__name__, cfg)
-    h.host = materialize(model, options=host_options)
+    h.host = materialize(model, options=host_options, **(weights or {}))
     try:
         # nn.Module.__call__ runs ``_compiled_call_impl`` when set: what ``nn.Module.compile`` installs, here
         # behind the host-side wrapper that hands Dynamo host proxies for device inputs. Dynamo compiles a
@@ -70,7 +102,7 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Any 
         model.__dict__.pop(_HANDLE_ATTR, None)
         h.release(restore=True)
         raise
-    logger.info("magi offload: %s forward runs through magi_offload (%s)", h.name, cfg.to_dict())
+    logger.info("magi %s: %s forward runs through magi_offload (%s)", entry, h.name, cfg.to_dict())
     return model
 
 
@@ -127,9 +159,9 @@ def module_entry(model: nn.Module) -> Callable[..., Any]:
     return entry
 
 
-def _inference_only(message: str) -> None:
+def _inference_only(message: str, stacklevel: int = 3) -> None:
     """Warn the user (their code is at fault: Python's ``warnings``) and log it."""
-    warnings.warn(message, InferenceOnlyWarning, stacklevel=3)
+    warnings.warn(message, InferenceOnlyWarning, stacklevel=stacklevel)
     logger.warning("magi offload: %s", message)
 
 

@@ -1,6 +1,7 @@
-"""Host materialisation across ranks (torchrun, gloo): per-rank files under EP, one shared file under EP 1,
-mismatch detection (sampled and full-content), isolation of in-place writes, and cleanup after a rank is
-killed mid-materialisation."""
+"""Host materialisation across ranks (torchrun, gloo): one shared file for identical weights, full-content checks
+(sampled and every byte), isolation of in-place writes, and cleanup after a rank is killed mid-materialisation.
+Sharing per tensor by content (identical, all different, experts different + dense identical, EP hint, pin
+waves, weights loaded from a source) is in test_host_content_sharing.py."""
 
 from __future__ import annotations
 
@@ -27,21 +28,6 @@ def _run(nproc: int, args: list[str], shm_dir: str, tmp_path: Path, **env: str) 
     proc = torchrun(nproc, args, shm_dir, tmp_path, **env)
     assert_ok(proc, tmp_path)
     return results(tmp_path, nproc)
-
-
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_ep2_every_rank_keeps_its_own_experts(nproc: int, shm_dir: str, tmp_path: Path) -> None:
-    recs = _run(nproc, ["--scenario", "ep"], shm_dir, tmp_path, MAGI_EP_SIZE="2", MAGI_PIN_CONCURRENCY="2")
-    assert len({r["experts_before"] for r in recs}) == nproc  # the shards really differ
-    assert [(r["pin"]["wave"], r["pin"]["waves"]) for r in recs] == [(r // 2, nproc // 2) for r in range(nproc)]
-    for r in recs:
-        assert r["experts_after"] == r["experts_before"], f"rank {r['rank']} lost its expert shard"
-        assert r["dense_after"] == r["dense_before"]
-        assert r["mode"] == "per_rank" and r["identity_kept"] and r["files_unlinked"]
-        assert set(r["file_modes"]) <= {0o600}  # per-rank files are unlinked as soon as they are mapped
-        assert r["registered"] > 0 and r["registered_after_release"] == 0 and r["dir_after"] == []
-    inodes = [tuple(r["inodes"]) for r in recs]
-    assert len(set(inodes)) == nproc  # one set of files per rank
 
 
 def test_shared_file_across_ep_corrupts_experts(shm_dir: str, tmp_path: Path) -> None:
@@ -89,41 +75,22 @@ def test_ep1_pin_that_copies_shared_pages_is_reported(shm_dir: str, tmp_path: Pa
     assert all(r["private_copy_bytes"] == 0 for r in clean)  # the CPU backend's pin copies nothing
 
 
-def test_ep1_per_rank_files_cost_n_copies(shm_dir: str, tmp_path: Path) -> None:
-    """The same measurement tells the shared layout from per-rank files (so the test above can fail)."""
-    recs = _run(2, ["--scenario", "shared", "--dense-mb", "16"], shm_dir, tmp_path, MAGI_EP_SIZE="2")
-    assert recs[0]["inodes"] != recs[1]["inodes"]
-    pss = sum(r["arena_pss"] for r in recs)
-    assert 1.8 * recs[0]["weight_bytes"] <= pss <= 2.4 * recs[0]["weight_bytes"], pss
-
-
-def test_ep1_mismatched_weights_detected(shm_dir: str, tmp_path: Path) -> None:
-    recs = _run(2, ["--scenario", "mismatch"], shm_dir, tmp_path)
-    for r in recs:
-        assert r["error"] == "WeightMismatchError"
-        assert "experts" in r["message"] and "MAGI_EP_SIZE" in r["message"]
-        assert r["unchanged_after_error"] and r["files_after_error"] == []
-        # on_mismatch='per_rank': the differing rank gets its own file, nothing replaced
-        assert r["experts_after"] == r["experts_before"]
-        assert r["mode"] == "per_rank"
-    assert recs[0]["inodes"] != recs[1]["inodes"]
-
-
 def test_ep1_sparse_difference_found_by_full_check(shm_dir: str, tmp_path: Path) -> None:
     """One embedding row (64 of 262144 elements) differs on rank 1: the sampled fingerprint agrees, the full
-    comparison does not. 'error': every rank raises naming the tensor and the fix, nothing left behind;
-    'per_rank': rank 1 keeps its own row in a file of its own (before: it silently computed with rank 0's)."""
+    comparison does not. on_mismatch='error': every rank raises naming the tensor and the fix, nothing left behind;
+    'copy' (the default): rank 1 keeps its own embedding in a file of its own, every other tensor stays shared
+    (before: it silently computed with rank 0's)."""
     recs = _run(2, ["--scenario", "sparse"], shm_dir, tmp_path)
     assert recs[0]["emb_before"] != recs[1]["emb_before"]
     for r in recs:
         assert r["error"] == "WeightMismatchError", r.get("message")
         assert "'emb.weight'" in r["message"] and "rank 1 differs from rank 0" in r["message"], r["message"]
-        assert "MAGI_EP_SIZE" in r["message"] and "on_mismatch='per_rank'" in r["message"]
+        assert "MAGI_EP_SIZE" in r["message"] and "on_mismatch='copy'" in r["message"]
         assert r["values_unchanged_after_error"] and r["files_after_error"] == [] and r["registered_after_error"] == 0
         assert r["emb_after"] == r["emb_before"], f"rank {r['rank']} computes with another rank's embedding"
-        assert r["dense_after"] == r["dense_before"] and r["mode"] == "per_rank"
+        assert r["dense_after"] == r["dense_before"] and r["mode"] == "mixed"
         assert r["dir_after"] == [] and r["registered_after_release"] == 0
-    assert recs[0]["inodes"] != recs[1]["inodes"]
+    assert set(recs[0]["inodes"]) < set(recs[1]["inodes"])  # the node's files, and rank 1's own for its embedding
 
 
 def test_ep1_sampled_check_alone_misses_a_sparse_difference(shm_dir: str, tmp_path: Path) -> None:

@@ -11,8 +11,10 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 from host_workers.common import child_env, shm_dir_fixture  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux smaps_rollup")
@@ -73,3 +75,63 @@ def test_streaming_peak_far_below_flat_buffer(shm_dir: str) -> None:
     assert out["values_ok"]
     assert out["extra_ref"] > 0.5, out  # the measurement can see a second copy
     assert out["extra"] <= 0.1, out
+
+
+_LOAD_SCRIPT = textwrap.dedent("""
+    import json, sys, threading, time
+    import torch
+    from torch import nn
+    from magi_core.host import HostOptions, materialize
+    from magi_core.host.memstat import anonymous_bytes
+
+    torch.set_num_threads(1)
+
+    def build():
+        with torch.device("meta"):
+            m = nn.Module()
+            for i in range(8):  # 8 x 16 MiB of fp32 = 128 MiB of weights
+                m.register_parameter(f"w{i}", nn.Parameter(torch.empty(2048, 2048)))
+        return m
+
+    def measure(path):
+        m = build()
+        base = anonymous_bytes()
+        peak, stop = [base], threading.Event()
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], anonymous_bytes())
+                time.sleep(0.001)
+        t = threading.Thread(target=sample)
+        t.start()
+        hw = materialize(m, options=HostOptions(progress=False), source=path)
+        stop.set()
+        t.join()
+        peak[0] = max(peak[0], anonymous_bytes())
+        ok = all(torch.all(p == float(i)).item() for i, p in enumerate(m.parameters()))
+        out = {"extra": (peak[0] - base) / hw.weight_bytes, "staging": hw.report["load"]["staging_bytes"],
+               "weights": hw.weight_bytes, "values_ok": ok}
+        hw.release()
+        return out
+
+    print(json.dumps({"convert": measure(sys.argv[1]), "direct": measure(sys.argv[2])}))
+""")
+
+
+def test_loading_peak_is_the_staging_window(shm_dir: str, tmp_path: Path) -> None:
+    """Loading a checkpoint into a meta model: the arena (shared memory, not anonymous) plus at most 5% of the
+    weights of anonymous memory (the staging window: 4%, and Python's own objects); a tensor stored in the
+    model's dtype needs no staging at all."""
+    from safetensors.torch import save_file
+
+    bf16, fp32 = tmp_path / "bf16.safetensors", tmp_path / "fp32.safetensors"
+    save_file({f"w{i}": torch.full((2048, 2048), float(i), dtype=torch.bfloat16) for i in range(8)}, str(bf16))
+    save_file({f"w{i}": torch.full((2048, 2048), float(i)) for i in range(8)}, str(fp32))
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(bf16), str(fp32)],
+                          env=child_env(shm_dir), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    conv, direct = out["convert"], out["direct"]
+    assert conv["values_ok"] and direct["values_ok"]
+    assert conv["staging"] == int(0.04 * conv["weights"])
+    assert 0.035 <= conv["extra"] <= 0.05, out  # the staging window (the measurement sees it) and a little more
+    assert direct["extra"] <= 0.01, out  # read straight into the arena

@@ -137,3 +137,25 @@ def test_verify_cost_benchmark_writes_its_figures(tmp_path: Path, shm_dir: str) 
     assert all(r["gb_per_s_median"] > 0 for r in doc["compare"])
     e2e = doc["end_to_end"]
     assert e2e["mode"] == "shared" and e2e["reader_verify_gb_per_s"] > 0
+
+
+def test_plan_sharing_groups_by_claim_and_spreads_reading() -> None:
+    """Which ranks hold one copy of each tensor together, who writes it, who must compare (the same answer on every
+    rank): equal provenance shares without comparing, reading spread over the ranks; equal fingerprints share after
+    comparing, written by the lowest member; different fingerprints or 'own' never share; a tensor one rank lacks
+    is shared by the others."""
+    from magi_core.host.topology import Share, plan_sharing
+
+    node = (0, 1, 2, 3)
+    slots = {r: [("tok", ("tok", "file-a"), 100), ("tok2", ("tok", "file-b"), 100),
+                 ("fp", ("fp", r % 2), 10), ("own", ("own",), 10), ("unk", ("unk",), 50)] for r in node}
+    slots[3] = [s for s in slots[3] if s[0] != "tok2"]  # rank 3's model has no such tensor
+    shares = plan_sharing(node, slots)
+    by = {r: dict(zip([s[0] for s in slots[r]], shares[r], strict=True)) for r in node}
+    assert {by[r]["tok"] for r in node} == {Share(node, 0, False)}
+    assert {by[r]["tok2"] for r in (0, 1, 2)} == {Share((0, 1, 2), 1, False)}  # rank 0 already reads 100 bytes
+    assert by[0]["fp"] == by[2]["fp"] == Share((0, 2), 0, True) and by[1]["fp"] == by[3]["fp"] == Share((1, 3), 1, True)
+    assert [by[r]["own"] for r in node] == [Share((r,), r, False) for r in node]
+    assert {by[r]["unk"] for r in node} == {Share(node, 2, True)}  # the rank with the fewest bytes to write so far
+    unsafe = plan_sharing(node, slots, unsafe=True)
+    assert all(sh.members in (node, (0, 1, 2)) and sh.filler == 0 and not sh.verify for r in node for sh in unsafe[r])

@@ -3,8 +3,9 @@
 Every distinct tensor (tied weights count once) is placed in a :class:`Slot`. A slot holds either a
 whole storage (when several model tensors share it, or the tensor covers it exactly: aliasing and
 strides are kept) or one tensor packed contiguously (a small view of a larger storage). Slots are
-grouped into one arena per dtype, each slot aligned to ``alignment`` bytes, each arena rounded up
-to a page.
+grouped into arenas (one per dtype and per set of ranks sharing them), each slot aligned to ``alignment``
+bytes, each arena rounded up to a page. Tensors on the meta device (a model built without weights, filled
+from a weight source) are grouped the same way, by their storage.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _dtype_key(dtype: torch.dtype) -> str:
+def dtype_key(dtype: torch.dtype) -> str:
+    """The name of a dtype without the ``torch.`` prefix (an arena's key)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -48,6 +50,17 @@ class Entry:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
+    #: (module, attribute, is_parameter) for every place the module tree holds it (a meta tensor is replaced there).
+    homes: list[tuple[nn.Module, str, bool]] = field(default_factory=list)
+    #: False for a buffer registered with ``persistent=False`` (not in the state dict).
+    persistent: bool = True
+    #: The meta tensor this entry's tensor replaced in the module tree (loaded from a weight source), else None.
+    original: torch.Tensor | None = None
+
+    @property
+    def is_meta(self) -> bool:
+        """True while the tensor is on the meta device (no values yet)."""
+        return self.tensor.is_meta
 
 
 @dataclass
@@ -93,8 +106,21 @@ class Slot:
 
     def describe(self) -> tuple[object, ...]:
         """A hashable description of the slot's layout (for cross-rank comparison)."""
-        return (self.arena, self.offset, self.nbytes, self.whole,
+        return (self.arena, self.offset, *self.shape_key())
+
+    def shape_key(self) -> tuple[object, ...]:
+        """What two ranks' slots must agree on to hold one copy: names, dtypes, sizes, strides, bytes."""
+        return (self.nbytes, self.whole,
                 tuple((tuple(e.names), str(e.tensor.dtype), e.size, e.stride, e.storage_offset) for e in self.entries))
+
+    def signature(self) -> str:
+        """A short hash of :meth:`shape_key`: equal on two ranks when their slots can share one copy."""
+        return hashlib.blake2b(repr(self.shape_key()).encode(), digest_size=12).hexdigest()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the slot's (first) tensor, which names its arena."""
+        return self.entries[0].tensor.dtype
 
 
 @dataclass
@@ -123,61 +149,94 @@ class Layout:
         return h.hexdigest()
 
 
-def collect(model: nn.Module) -> list[Entry]:
-    """Every distinct parameter and buffer of ``model`` (tied ones once, with all their names)."""
+def collect(model: nn.Module, *, allow_meta: bool = False) -> list[Entry]:
+    """Every distinct parameter and buffer of ``model`` (tied ones once, with all their names and homes).
+
+    ``allow_meta``: tensors on the meta device are collected too (to be filled from a weight source).
+    """
     seen: dict[int, Entry] = {}
     order: list[Entry] = []
-    items = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    for name, t in items:
-        if t is None:
-            continue
-        if id(t) in seen:
-            seen[id(t)].names.append(name)
-            continue
-        _check_supported(name, t)
-        e = Entry(tensor=t, names=[name], size=tuple(t.shape), stride=tuple(t.stride()),
-                  storage_offset=int(t.storage_offset()))
-        seen[id(t)] = e
-        order.append(e)
-    return order
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        stores = ((module._parameters, True), (module._buffers, False))
+        for store, is_param in stores:
+            for attr, t in store.items():
+                if t is None:
+                    continue
+                name = dot + attr
+                home = (module, attr, is_param)
+                if id(t) in seen:
+                    e = seen[id(t)]
+                    if name not in e.names:
+                        e.names.append(name)
+                    if not any(m is module and a == attr for m, a, _ in e.homes):
+                        e.homes.append(home)
+                    continue
+                _check_supported(name, t, allow_meta)
+                e = Entry(tensor=t, names=[name], size=tuple(t.shape), stride=tuple(t.stride()),
+                          storage_offset=int(t.storage_offset()), homes=[home],
+                          persistent=is_param or attr not in module._non_persistent_buffers_set)
+                seen[id(t)] = e
+                order.append(e)
+    params = [e for e in order if e.homes[0][2]]
+    return params + [e for e in order if not e.homes[0][2]]  # parameters first, as named_parameters() gives them
 
 
-def _check_supported(name: str, t: torch.Tensor) -> None:
+def _check_supported(name: str, t: torch.Tensor, allow_meta: bool = False) -> None:
     if type(t) not in (torch.Tensor, nn.Parameter) and not isinstance(t, nn.parameter.Buffer):
         raise HostStateError(
             f"{name}: tensor subclass {type(t).__name__} cannot be placed in host memory; convert it to a plain "
             "tensor (e.g. dequantise or unwrap it) before offloading"
         )
-    if t.is_meta:
-        raise HostStateError(f"{name} is on the meta device: load real weights (e.g. load_state_dict(assign=True)) "
-                             "before offloading")
+    if t.is_meta and not allow_meta:
+        raise HostStateError(f"{name} is on the meta device: load its weights from a checkpoint with "
+                             "magi_core.load(model, checkpoint) (or load real weights first, e.g. "
+                             "load_state_dict(assign=True), then offload)")
     if t.layout != torch.strided:
         raise HostStateError(f"{name} has layout {t.layout}; only dense (strided) tensors can be offloaded")
 
 
-def plan(entries: list[Entry], alignment: int) -> Layout:
-    """Place ``entries`` into per-dtype arenas (deterministic: same model structure, same layout)."""
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    storage = t.untyped_storage()
+    if t.is_meta:  # every meta storage has data_ptr 0: tell them apart by the storage object itself
+        return ("meta", int(storage._cdata))
+    return (str(t.device), storage.data_ptr())
+
+
+def group(entries: list[Entry]) -> list[Slot]:
+    """One unplaced :class:`Slot` per storage (tensors of one storage together; empty tensors get none)."""
     groups: dict[tuple[str, int], list[Entry]] = {}
     for e in entries:
-        t = e.tensor
-        if t.numel() == 0:
+        if e.tensor.numel() == 0:
             continue
-        key = (str(t.device), t.untyped_storage().data_ptr())
-        groups.setdefault(key, []).append(e)
-    cursor: dict[str, int] = {}
+        groups.setdefault(_storage_key(e.tensor), []).append(e)
     slots: list[Slot] = []
-    for group in groups.values():
-        t = group[0].tensor
+    for members in groups.values():
+        t = members[0].tensor
         storage_bytes = t.untyped_storage().nbytes()
         tensor_bytes = t.numel() * t.element_size()
-        whole = len(group) > 1 or storage_bytes <= tensor_bytes
-        nbytes = storage_bytes if whole else tensor_bytes
-        arena = _dtype_key(t.dtype)
+        whole = len(members) > 1 or storage_bytes <= tensor_bytes
+        slots.append(Slot(arena="", offset=0, nbytes=storage_bytes if whole else tensor_bytes, whole=whole,
+                          entries=members))
+    return slots
+
+
+def place(slots: list[Slot], alignment: int, arena_of: Callable[[Slot], str] | None = None) -> dict[str, int]:
+    """Give every slot its arena (``arena_of(slot)``, default its dtype's name) and aligned offset, in order;
+    return each arena's size (rounded up to a page)."""
+    cursor: dict[str, int] = {}
+    for slot in slots:
+        arena = arena_of(slot) if arena_of is not None else dtype_key(slot.dtype)
         off = _align(cursor.get(arena, 0), alignment)
-        cursor[arena] = off + nbytes
-        slots.append(Slot(arena=arena, offset=off, nbytes=nbytes, whole=whole, entries=group))
-    arena_bytes = {k: _align(v, PAGE) for k, v in cursor.items()}
-    return Layout(slots=slots, arena_bytes=arena_bytes)
+        cursor[arena] = off + slot.nbytes
+        slot.arena, slot.offset = arena, off
+    return {k: _align(v, PAGE) for k, v in cursor.items()}
+
+
+def plan(entries: list[Entry], alignment: int) -> Layout:
+    """Place ``entries`` into per-dtype arenas (deterministic: same model structure, same layout)."""
+    slots = group(entries)
+    return Layout(slots=slots, arena_bytes=place(slots, alignment))
 
 
 _CHUNK = 64 << 20

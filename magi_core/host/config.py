@@ -3,7 +3,7 @@
 Environment variables (read when :meth:`HostOptions.resolve` runs; an explicit field wins):
 
 ``MAGI_EP_SIZE``
-    Expert-parallel size; see :mod:`magi_core.host.topology` for the full order of precedence.
+    Expert-parallel size, a hint (sharing is per tensor, by content); see :mod:`magi_core.host.topology`.
 ``MAGI_SKIP_SHM=1``
     Keep plain host tensors: no shared-memory file, no pinning (hosts too small for either).
 ``MAGI_PIN_CONCURRENCY=N``
@@ -29,7 +29,7 @@ ENV_PIN_BUDGET_GB = "MAGI_PIN_BUDGET_GB"
 ENV_SHM_DIR = "MAGI_SHM_DIR"
 DEFAULT_SHM_DIR = "/dev/shm"
 
-MismatchPolicy = Literal["error", "per_rank"]
+MismatchPolicy = Literal["copy", "error", "per_rank"]
 VerifyMode = Literal["full", "sampled"]
 SharedWrites = Literal["read_only", "copy_on_write"]
 
@@ -42,7 +42,9 @@ def _env_gib(name: str) -> int | None:
 class HostOptions:
     """How :func:`magi_core.host.materialize` lays out, shares and pins host weights (None = env or default)."""
 
-    #: Expert-parallel size (> 1: one file per rank). None: ``MAGI_EP_SIZE``, then launcher variables, else 1.
+    #: Expert-parallel size, a hint: > 1 says the ranks' weights are expected to differ (no warning when tensors
+    #: differ; tensors whose provenance differs are not compared). Sharing is decided per tensor by content either
+    #: way. None: ``MAGI_EP_SIZE``, then launcher variables, else 1.
     ep_size: int | None = None
     #: Keep plain host tensors, no shared memory and no pinning. None: ``MAGI_SKIP_SHM``, else False.
     skip_shm: bool | None = None
@@ -56,8 +58,11 @@ class HostOptions:
     shm_dir: str | None = None
     #: Show tqdm progress bars. None: only when stderr is a terminal.
     progress: bool | None = None
-    #: Ranks that would share a file but hold different weights: raise ("error") or use own files ("per_rank").
-    on_mismatch: MismatchPolicy = "error"
+    #: A tensor that differs between ranks of a node: "copy" (default) gives each differing rank its own copy of it
+    #: and shares every identical tensor once (host memory per node = bytes of distinct tensors; a warning names
+    #: them when the EP size is 1); "error" raises :class:`WeightMismatchError` on every rank naming them, for jobs
+    #: whose ranks must hold the same weights. "per_rank" is the older name of "copy".
+    on_mismatch: MismatchPolicy = "copy"
     #: How ranks sharing a file prove they hold the same weights. "full": every rank that maps another rank's
     #: file compares all of its own bytes with the file's before using it (memory speed; see README "Sharing
     #: across ranks"). "sampled": only the sampled fingerprint (misses sparse differences; for when the
@@ -77,6 +82,15 @@ class HostOptions:
     fingerprint_samples: int = 64
     #: Byte alignment of every tensor inside an arena.
     alignment: int = 256
+    #: Loading from a weight source: the most anonymous memory used to read and convert tensors (one reused buffer;
+    #: a tensor whose dtype matches the model's is read straight into the arena). None: 4% of the weight bytes
+    #: (loading adds at most 5% in all), at least 4 KiB and at most 64 MiB.
+    staging_bytes: int | None = None
+    #: Loading from files: threads reading at once on each rank (each with its share of the staging window).
+    #: None: one when no tensor needs converting (the kernel copies each file range into the arena's file, and
+    #: writers of one file take turns), else the host's cores divided among the node's ranks, at most 8. A
+    #: function source is always called from one thread.
+    load_threads: int | None = None
     #: Remove files of crashed runs (owner gone: its lock is free) from the shm directory before creating ours.
     cleanup_stale: bool = True
     #: TEST ONLY: ignore the EP size and every check and share one file anyway (the old, corrupting way).
@@ -107,8 +121,14 @@ class HostOptions:
             raise ConfigError(f"HostOptions.pin_concurrency={self.pin_concurrency}: must be >= 1 (or None for auto)")
         if self.pin_budget_bytes is not None and self.pin_budget_bytes < 0:
             raise ConfigError(f"HostOptions.pin_budget_bytes={self.pin_budget_bytes}: must be >= 0 (or None for all)")
-        if self.on_mismatch not in ("error", "per_rank"):
-            raise ConfigError(f"HostOptions.on_mismatch={self.on_mismatch!r}: use 'error' or 'per_rank'")
+        if self.on_mismatch not in ("copy", "error", "per_rank"):
+            raise ConfigError(f"HostOptions.on_mismatch={self.on_mismatch!r}: use 'copy' (differing tensors get a copy "
+                              "per rank) or 'error'")
+        if self.load_threads is not None and self.load_threads < 1:
+            raise ConfigError(f"HostOptions.load_threads={self.load_threads}: must be >= 1 (or None for auto)")
+        if self.staging_bytes is not None and self.staging_bytes < 4096:
+            raise ConfigError(f"HostOptions.staging_bytes={self.staging_bytes}: must be >= 4096 (or None for 4% of "
+                              "the weights)")
         if self.verify_shared not in ("full", "sampled"):
             raise ConfigError(f"HostOptions.verify_shared={self.verify_shared!r}: use 'full' or 'sampled'")
         if self.shared_writes not in ("read_only", "copy_on_write"):

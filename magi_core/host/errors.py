@@ -29,3 +29,7 @@ class WeightMismatchError(MagiError):
 
 class HostStateError(MagiError):
     """The model's host weights are in a state that does not allow the requested operation."""
+
+
+class WeightSourceError(MagiError):
+    """A weight source does not fit the model (missing, unexpected or mis-shaped tensors) or cannot be read."""

@@ -1,37 +1,47 @@
-"""Stream a model's weights into shared host memory, share or split the files across ranks, pin in waves.
+"""Stream a model's weights into shared host memory, share each tensor across the ranks that hold it, pin in waves.
 
-See :func:`materialize`. Order of work on every rank (collectives are on a gloo group, so they never
-touch the device):
+See :func:`materialize`. The weights come from the model's own tensors, or from a weight source (a model built
+on the meta device: :mod:`magi_core.host.loading`). Order of work on every rank (collectives are on a gloo group,
+so they never touch the device):
 
-1. check the shm directory, plan the layout, fingerprint the tensors (sampled); gather (node key, owner,
-   layout digest, fingerprints, directory problem); a problem on any rank raises on every rank
-2. decide, identically on every rank, who writes which file and who maps it (EP > 1: one file per rank;
-   EP 1: one per node, unless the sampled fingerprints already differ: error or per-rank files)
-3. writers create their files exclusively (0600, ``flock``-ed until unlinked) with the space reserved;
+1. check the shm directory, group the tensors into slots (one per storage), match them with the weight source
+   (missing / unexpected / mis-shaped tensors), give each slot a claim: its provenance when it comes from a
+   source, else a sampled fingerprint; gather (node key, owner, slot signatures and claims, problems); a
+   problem on any rank raises on every rank
+2. decide, identically on every rank, per slot: which ranks of the node hold one copy of it together (equal
+   signature and claim), which member writes it (spread over the members), and whether the others must compare
+   it with their own values (:func:`magi_core.host.topology.plan_sharing`). Each set of members gets one file per
+   dtype, created by its lowest rank
+3. creators create their files exclusively (0600, ``flock``-ed until unlinked) with the space reserved;
    gather status (no room: every rank raises, nothing was changed)
-4. writers stream: copy one slot, swap it into the module, free the original; gather status (under
-   copy_on_write a file other ranks will map is written through a temporary shared mapping and the module
-   gets copy-on-write views)
-5. readers map the file and compare every byte of their own weights with it (before swapping anything
-   in); gather; files unlinked. Any difference: with ``on_mismatch="error"`` every rank raises
-   naming the tensors (the writer's model is put back in memory of its own); with ``"per_rank"`` the
-   differing ranks repeat 3-5 with files of their own
+4. every member maps its files; each slot's writer copies its own values (or reads the source) into it and
+   swaps the mapping into the module at once (the original is freed there); gather status (under
+   copy_on_write a file several ranks map is written through a temporary shared mapping and the modules get
+   copy-on-write views)
+5. the other members compare every byte of their own values with the copy (before swapping anything in);
+   gather; files unlinked. A member that differs: with ``on_mismatch="copy"`` (default) it writes a copy of
+   its own in a second round (3-5 with files of one rank); with ``"error"`` every rank raises naming the
+   tensors (and every rank's model is put back as it was)
 6. pin in waves of ``concurrency`` ranks per node; then read_only: protect the shared mappings,
    copy_on_write: report a pin that copied the shared pages
 
-Isolation (``HostOptions.shared_writes``): a write on one rank never reaches another. "copy_on_write"
-(default): every rank maps a shared file ``MAP_PRIVATE`` (the writer too, after copying in through a
-temporary shared mapping), so an in-place write changes that rank's pages only; registering such a mapping
-with CUDA copies every page (measured on an H200), which :meth:`_Materializer._check_private_copies`
-reports. "read_only": the shared mapping is ``mprotect``-ed read-only after pinning (CUDA refuses to
-register a read-only range with default flags; one registered before stays valid), so a write is a SIGSEGV
-that kills the process (torch does not check), but one copy per node stays true under pinning.
+Host memory per node is the bytes of the distinct tensors: each is held once per distinct content.
+
+Isolation (``HostOptions.shared_writes``): a write on one rank never reaches another. "read_only" (default):
+the shared mapping is ``mprotect``-ed read-only after pinning (CUDA refuses to register a read-only range with
+default flags; one registered before stays valid), so a write is a SIGSEGV that kills the process (torch does
+not check), but one copy per node stays true under pinning. "copy_on_write": every rank maps a shared file
+``MAP_PRIVATE`` (the writer too, after copying in through a temporary shared mapping), so an in-place write
+changes that rank's pages only; registering such a mapping with CUDA copies every page (measured on an H200),
+which :meth:`_Materializer._check_private_copies` reports.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import faulthandler
+import hashlib
 import logging
 import os
 import sys
@@ -39,7 +49,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,10 +58,20 @@ from tqdm import tqdm
 
 from magi_core.errors import ConfigError, MagiError
 from magi_core.host import memstat, moves, pinning, shm
-from magi_core.host.arena import Entry, Layout, collect, fingerprint, fingerprints, plan, same_bytes
+from magi_core.host.arena import Entry, Layout, Slot, collect, dtype_key, fingerprint, group, place, same_bytes
 from magi_core.host.config import HostOptions
-from magi_core.host.errors import HostStateError, ShmSpaceError, WeightMismatchError
-from magi_core.host.topology import Coordinator, Topology, build_topology, node_key
+from magi_core.host.errors import HostStateError, ShmSpaceError, WeightMismatchError, WeightSourceError
+from magi_core.host.loading import Loader, Rename, SourceSpec, open_source
+from magi_core.host.topology import (
+    Claim,
+    Coordinator,
+    Share,
+    Topology,
+    build_topology,
+    global_order,
+    node_key,
+    plan_sharing,
+)
 from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
@@ -63,10 +83,9 @@ _live: dict[int, HostWeights] = {}
 _owned: dict[int, HostWeights] = {}  # id(tensor) -> owner, for tensors kept alive by their HostWeights
 _by_model: weakref.WeakKeyDictionary[nn.Module, HostWeights] = weakref.WeakKeyDictionary()
 
-
 @dataclass
 class Arena:
-    """One mapping (or plain buffer) holding the slots of one dtype."""
+    """One mapping (or plain buffer) holding the slots of one dtype that one set of ranks shares."""
 
     key: str
     nbytes: int
@@ -78,6 +97,7 @@ class Arena:
     mapping: Any = None  # the mmap object (kept alive by the views too)
     private: bool = False  # copy-on-write mapping (MAP_PRIVATE): this rank's writes stay its own
     read_only: bool = False  # mprotect-ed read-only (a write is a SIGSEGV)
+    write_map: Any = None  # while filling a copy-on-write arena: the shared mapping the bytes go through
 
     def info(self) -> dict[str, Any]:
         """JSON-able description."""
@@ -92,7 +112,7 @@ class HostLocation:
     """Where a tensor's bytes lie in the host arenas (see :meth:`HostWeights.locate`)."""
 
     arena: str
-    """The arena's key (its dtype name)."""
+    """The arena's key: its dtype's name, followed by ``-r<ranks>`` when not all the node's ranks share it."""
     offset: int
     """Byte offset of the tensor's first element from the start of the arena."""
     nbytes: int
@@ -101,15 +121,6 @@ class HostLocation:
     """The arena's shared-memory file (``None`` for plain host memory; files are unlinked once mapped)."""
     pinned: bool
     """True when all of the bytes lie in a range registered with the backend."""
-
-
-@dataclass
-class _Assignment:
-    """Who writes the files this rank uses, and which ranks map them."""
-
-    writer: int
-    readers: tuple[int, ...]
-    tag: str
 
 
 class HostWeights:
@@ -244,9 +255,40 @@ class HostWeights:
     def _adopt(self, slot_views: list[tuple[Entry, torch.Tensor]]) -> None:
         with _live_lock:
             for e, v in slot_views:
-                e.tensor.data = v
+                if e.tensor.is_meta:  # a meta tensor cannot take host data: a new one replaces it in every module
+                    _replace(e, v)
+                else:
+                    e.tensor.data = v
                 _owned[id(e.tensor)] = self
                 self._entries.append(e)
+
+
+def _retarget(module: nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
+    """Plain attributes of ``module`` holding the tensor ``old`` (an alias of a buffer) now hold ``new``."""
+    for k, v in list(module.__dict__.items()):
+        if v is old and not k.startswith("_"):
+            module.__dict__[k] = new
+
+
+def _replace(e: Entry, view: torch.Tensor) -> None:
+    """Put ``view`` where the meta tensor of ``e`` was (a new Parameter for a parameter), everywhere it is held."""
+    old = e.tensor
+    new: torch.Tensor = nn.Parameter(view, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else view
+    for module, attr, is_param in e.homes:
+        (module._parameters if is_param else module._buffers)[attr] = new  # type: ignore[assignment]
+        _retarget(module, old, new)
+    e.original, e.tensor = old, new
+
+
+def _unreplace(e: Entry) -> None:
+    """Undo :func:`_replace`: the meta tensor is back in every module."""
+    old = e.original
+    if old is None:
+        return
+    for module, attr, is_param in e.homes:
+        (module._parameters if is_param else module._buffers)[attr] = old  # type: ignore[assignment]
+        _retarget(module, e.tensor, old)
+    e.tensor, e.original = old, None
 
 
 def _released_hook(module: nn.Module, args: Any) -> None:
@@ -280,12 +322,19 @@ def materialize(
     options: HostOptions | None = None,
     backend: Backend | None = None,
     on_progress: ProgressCallback | None = None,
+    source: SourceSpec | None = None,
+    strict: bool = True,
+    rename: Rename | None = None,
 ) -> HostWeights:
     """Move every parameter and buffer of ``model`` into host arenas (shared memory, pinned in place).
 
-    Parameters keep their identity (``.data`` is swapped); tied tensors stay one tensor. Under
-    torch.distributed every rank must call this (it runs collectives on a gloo group).
-    ``on_progress(phase, done_bytes, total_bytes)`` is called after each tensor is copied, mapped or pinned.
+    Parameters keep their identity (``.data`` is swapped); tied tensors stay one tensor. With ``source`` (a
+    weight source, see :func:`magi_core.host.loading.open_source`) the tensors on the meta device, and the real
+    ones the source also holds, are read from it straight into the arenas (meta parameters become new
+    ``nn.Parameter`` objects in every module that holds them); ``strict`` and ``rename`` as for
+    :func:`magi_core.load`. Under torch.distributed every rank must call this (it runs collectives on a gloo
+    group). ``on_progress(phase, done_bytes, total_bytes)`` is called after each tensor is copied, mapped or
+    pinned.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"materialize() takes an nn.Module, got {type(model).__name__}")
@@ -296,24 +345,49 @@ def materialize(
         backend = get_backend()
     existing = _by_model.get(model)
     if existing is not None and not existing.released:
-        if existing.options == opts:
+        if existing.options == opts and source is None:
             logger.info("model already materialised; returning its HostWeights")
             return existing
-        raise HostStateError("the model is already materialised with other options; call release(restore=True) on "
-                             "its HostWeights first")
-    return _Materializer(model, opts, backend, on_progress).run()
+        raise HostStateError("the model is already materialised with other options (or weights); call "
+                             "release(restore=True) on its HostWeights first")
+    loader = Loader(open_source(source), strict=strict, rename=rename) if source is not None else None
+    try:
+        return _Materializer(model, opts, backend, on_progress, loader).run()
+    finally:
+        if loader is not None:
+            loader.close()
+
+
+@dataclass
+class _Round:
+    """One round of files on this rank: its slots with their shares, the arenas they go to, the files it creates."""
+
+    items: list[tuple[Slot, Share]]
+    sizes: dict[str, int]  # arena key -> bytes
+    members: dict[str, tuple[int, ...]]  # arena key -> ranks mapping it
+    paths: dict[str, str]  # arena key -> file
+    created: list[str]  # arena keys whose file this rank creates
+    locks: dict[str, int]  # created key -> fd holding the file's lock until it is unlinked
+    fds: dict[str, int] = field(default_factory=dict)  # arena key -> fd this rank writes through (closed after)
 
 
 class _Materializer:
     def __init__(self, model: nn.Module, opts: HostOptions, backend: Backend,
-                 on_progress: ProgressCallback | None) -> None:
+                 on_progress: ProgressCallback | None, loader: Loader | None = None) -> None:
         self.model, self.opts, self.backend, self.on_progress = model, opts, backend, on_progress
+        self.loader = loader
         self.coord = Coordinator()
         self.rank = self.coord.rank
         self.t0 = time.perf_counter()
         self.show = opts.progress if opts.progress is not None else sys.stderr.isatty()
-        self.adopted: set[int] = set()  # id() of the slots swapped into a mapping by _stream (for _rollback)
+        self.adopted: set[int] = set()  # id() of the slots swapped into a mapping (for _rollback)
         self.devices: dict[int, torch.device] = {}
+        self.own_fps: dict[int, list[int]] = {}  # id(slot) -> sampled fingerprints of its entries
+        self.cleaned = False
+        self.round: _Round | None = None
+        self.done = 0  # bytes written or mapped so far (progress)
+        self.total = 0
+        self.node_size = 1  # ranks sharing this node's files
 
     def _phase(self, hw: HostWeights, name: str) -> None:
         now = time.perf_counter()
@@ -337,16 +411,54 @@ class _Materializer:
             raise own
         raise cls("host weights: " + "; ".join(f"rank {r}: {s}" for r, s in bad))
 
+    def _undo(self, hw: HostWeights) -> None:
+        """Another rank (or this one) failed: put the model back as it was, leave no file of this round."""
+        self._rollback(hw)
+        if self.round is not None:
+            self._drop_files(self.round.locks, {k: self.round.paths[k] for k in self.round.created})
+        hw.arenas, hw.files = [], []
+        if self.loader is not None:
+            self.loader.undo()
+
+    # -- planning ------------------------------------------------------------------------------------------
+    def _claim(self, slot: Slot, world: int) -> Claim:
+        if world <= 1 or self.opts.skip_shm:
+            return ("own",)
+        if self.loader is not None and self.loader.owns(slot):
+            return self.loader.claim(slot)
+        fps = [fingerprint(e.tensor, self.opts.fingerprint_samples) for e in slot.entries]
+        self.own_fps[id(slot)] = fps
+        return ("fp", int.from_bytes(hashlib.blake2b(repr(fps).encode(), digest_size=8).digest(), "little"))
+
     def run(self) -> HostWeights:
-        opts = self.opts
-        entries = collect(self.model)
+        opts, loader = self.opts, self.loader
+        local_err: BaseException | None = None
+        if loader is not None:
+            try:
+                loader.resolve_buffers(self.model)
+            except (MagiError, OSError) as exc:
+                local_err = exc
+        try:
+            entries = collect(self.model, allow_meta=loader is not None)
+        except BaseException:
+            if loader is not None:
+                loader.undo()
+            raise
         for e in entries:
             if id(e.tensor) in _owned:
+                if loader is not None:
+                    loader.undo()
                 raise HostStateError(f"{e.names[0]} already lives in host memory materialised for another module; "
                                      "materialise the outer model once")
-        layout = plan(entries, opts.alignment)
-        self.devices = {id(s): s.entries[0].tensor.device for s in layout.slots}
-        hw = HostWeights(self.model, layout, opts, self.backend)
+        slots = group(entries)
+        if loader is not None and local_err is None:
+            loader.set_window(sum(s.nbytes for s in slots), opts.staging_bytes)
+            loader.match(slots, entries)
+            text = loader.problems()
+            if text is not None:
+                local_err = WeightSourceError(text)
+        self.devices = {id(s): s.entries[0].tensor.device for s in slots}
+        hw = HostWeights(self.model, Layout(slots=slots, arena_bytes={}), opts, self.backend)
         assert opts.shm_dir is not None and opts.ep_size is not None
         dir_err: BaseException | None = None
         if not opts.skip_shm:  # before any file exists, on every rank; a problem on one rank raises on all
@@ -354,298 +466,403 @@ class _Materializer:
                 hw.report["shm_fs"] = shm.check_dir(opts.shm_dir)
             except (ConfigError, ShmSpaceError) as exc:
                 dir_err = exc
-        sharing = opts.ep_size == 1 or opts._unsafe_share_across_ranks
-        need_fp = self.coord.world_size > 1 and sharing and not opts._unsafe_share_across_ranks and not opts.skip_shm
-        own_fps = fingerprints(layout.entries, opts.fingerprint_samples) if need_fp else []
-        owner = shm.Owner.current()
+        world = self.coord.world_size
         info = {
             "key": node_key(opts.shm_dir) if not opts.skip_shm and dir_err is None else None,
-            "dir_err": _status(dir_err),
-            "owner": owner, "digest": layout.digest(), "fps": own_fps, "skip": bool(opts.skip_shm),
+            "dir_err": _status(dir_err), "err": _status(local_err),
+            "owner": shm.Owner.current(), "skip": bool(opts.skip_shm),
+            "slots": [(s.signature(), self._claim(s, world), s.nbytes) for s in slots] if local_err is None else [],
+            "names": [" = ".join(e.names[0] for e in s.entries) for s in slots] if world > 1 else [],
             "ep": opts.ep_size, "unsafe": opts._unsafe_share_across_ranks, "pin": opts.pin,
             "conc": opts.pin_concurrency, "mismatch": opts.on_mismatch, "verify": opts.verify_shared,
-            "writes": opts.shared_writes,
-            "bytes": sum(layout.arena_bytes.values()), "avail": memstat.available_bytes(),
-            "names": [e.names[0] for e in layout.entries] if need_fp else [],
+            "writes": opts.shared_writes, "loading": loader is not None,
+            "bytes": sum(s.nbytes for s in slots), "avail": memstat.available_bytes(),
         }
         infos = self.coord.all_gather(info)
-        self._fail_all([i["dir_err"] for i in infos], dir_err, cls=ConfigError)
-        self._check_agreement(infos)
+        undo = loader.undo if loader is not None else None
+        self._fail_all([i["dir_err"] for i in infos], dir_err, undo, cls=ConfigError)
+        self._fail_all([i["err"] for i in infos], local_err, undo, cls=WeightSourceError)
+        try:
+            self._check_agreement(infos)
+        except ConfigError:
+            if undo is not None:
+                undo()
+            raise
         self._phase(hw, "planned")
+        self.total = hw.layout.weight_bytes
         if opts.skip_shm:
             self._plain(hw)
             return self._finish(hw, None, infos)
         topo = build_topology(self.rank, [i["key"] for i in infos], opts.ep_size, opts.shm_dir)
-        assign = self._assign(topo, infos)  # the sampled pre-check: raises here, before any file, when it sees it
-        hw.report.update(rank=self.rank, node_ranks=list(topo.node_ranks), ep_size=opts.ep_size)
-        verify = self.coord.world_size > 1 and opts.verify_shared == "full" and not opts._unsafe_share_across_ranks
-        bad = self._share(hw, infos, assign, assign[self.rank], [] if verify else own_fps, verify)
-        if bad:  # on_mismatch='per_rank' (else _share raised): the differing ranks make files of their own
-            for r, names in sorted(bad.items()):
-                logger.warning("%s; it gets its own file (on_mismatch='per_rank')",
-                               _differs_text(r, assign[r].writer, names))
-            again = {r: _Assignment(writer=r, readers=(r,), tag=f"rank{r}") for r in bad}
-            self._share(hw, infos, again, again.get(self.rank), [], False)
-        mine = _Assignment(self.rank, (self.rank,), "") if self.rank in bad else assign[self.rank]
-        readers = tuple(r for r in mine.readers if r not in bad)
-        for a in hw.arenas:
-            a.shared_by = readers
-        hw.report.update(mode="shared" if len(readers) > 1 else ("per_rank" if topo.distributed else "single"),
-                         shared_by=list(readers), writer=mine.writer, verify=opts.verify_shared if verify else None)
+        node = topo.node_ranks
+        self.node_size = len(node)
+        claims = {r: infos[r]["slots"] for r in node}
+        shares = plan_sharing(node, claims, unsafe=opts._unsafe_share_across_ranks)
+        order = global_order(node, claims)
+        if opts.on_mismatch == "error" and not opts._unsafe_share_across_ranks:
+            problems = _sampled_differences(node, infos, shares)
+            if problems:  # the sampled pre-check: before any file
+                if undo is not None:
+                    undo()
+                raise WeightMismatchError("ranks of a node hold different weights: " + "; ".join(problems) + ". "
+                                          + _FIX)
+        hw.report.update(rank=self.rank, node_ranks=list(node), ep_size=opts.ep_size)
+        copies = _copies(node, claims, shares, 0)
+        own: set[str] = set()
+        items = list(zip(slots, shares[self.rank], strict=True))
+        bad = self._round(hw, infos, topo, items, order, 0)
+        rnd = 0
+        while bad:  # on_mismatch='copy': the ranks that differ from a copy share among themselves what they hold alike
+            own |= {sig for sigs in bad.values() for sig in sigs}  # not held alike by every rank (the writer too)
+            rnd += 1
+            claims = {r: [c for c in claims[r] if c[0] in set(bad.get(r, ()))] for r in node}
+            shares = plan_sharing(node, claims)
+            copies.update(_copies(node, claims, shares, rnd))
+            mine = {sig for sig, _, _ in claims[self.rank]}
+            items = [(s, sh) for s, sh in zip([s for s in slots if s.signature() in mine], shares[self.rank],
+                                               strict=True)]
+            bad = self._round(hw, infos, topo, items, order, rnd)
+        hw.layout.arena_bytes = {a.key: a.nbytes for a in hw.arenas}
+        self._report_sharing(hw, topo, infos, sum(copies.values()), own)
         return self._finish(hw, topo, infos)
 
-    def _share(self, hw: HostWeights, infos: list[dict[str, Any]], assign: dict[int, _Assignment],
-               mine: _Assignment | None, own_fps: list[int], verify: bool) -> dict[int, list[str]]:
-        """One round of files: writers create and stream, readers map and check every byte, files unlinked.
+    def _report_sharing(self, hw: HostWeights, topo: Topology, infos: list[dict[str, Any]], distinct: int,
+                        differing: set[str]) -> None:
+        """Mode, ranks sharing, and the node's host bytes against the all-shared and all-private layouts."""
+        node = topo.node_ranks
+        all_shared = sum({sig: n for r in node for sig, _, n in infos[r]["slots"]}.values())
+        mine = list(hw.arenas)
+        full = tuple(node)
+        partial = [s for s in hw.layout.slots if s.signature() in differing or _arena_members(hw, s) != full]
+        own_bytes = sum(s.nbytes for s in partial)
+        if len(full) == 1:
+            mode = "per_rank" if topo.distributed else "single"
+        elif not partial:
+            mode = "shared"
+        elif all(a.shared_by == (self.rank,) for a in mine) or len(partial) == len(hw.layout.slots):
+            mode = "per_rank"
+        else:
+            mode = "mixed"
+        hw.report.update(
+            mode=mode, shared_by=list(full) if mode == "shared" else sorted({r for a in mine for r in a.shared_by}),
+            writer=min(full), verify=self.opts.verify_shared if len(full) > 1 else None,
+            node_bytes={"distinct": distinct, "all_shared": all_shared,
+                        "all_private": sum(infos[r]["bytes"] for r in node), "ranks": len(node)},
+            own_bytes=own_bytes, own_tensors=len(partial))
+        if partial and len(full) > 1:
+            names = [_name_of(s) for s in partial]
+            level = logging.WARNING if (self.opts.ep_size or 1) == 1 else logging.INFO
+            logger.log(level, "rank %d holds %d tensor(s) (%.3f GiB) that not every rank of its node holds alike (a "
+                       "copy per distinct content): %s%s", self.rank, len(partial), own_bytes / 2**30, _show(names),
+                       "; if the ranks should hold the same weights, check how they are initialised (or set "
+                       "HostOptions(on_mismatch='error')); for expert-parallel models set MAGI_EP_SIZE to say "
+                       "this is expected" if level == logging.WARNING else "")
 
-        Every rank takes part in the collectives (``mine`` None: no file this round). Returns, for every rank
-        whose weights differ from the file it was to share, the names of the differing tensors (``verify``).
-        """
+    # -- one round of files ---------------------------------------------------------------------------------
+    def _round(self, hw: HostWeights, infos: list[dict[str, Any]], topo: Topology,
+               items: list[tuple[Slot, Share]], order: dict[str, int], rnd: int) -> dict[int, list[str]]:
+        """Files for ``items`` (this rank's slots of this round; every rank takes part, maybe with none): created,
+        filled by each slot's writer, mapped and checked by the other members, unlinked. Returns, for every rank,
+        the signatures of its slots that differ from the copy it was to share (a copy of its own comes next)."""
         opts = self.opts
         assert opts.shm_dir is not None
-        layout = hw.layout
-        total = layout.weight_bytes
-        writing = mine is not None and mine.writer == self.rank
-        reading = mine is not None and mine.writer != self.rank
-        shared = mine is not None and len(mine.readers) > 1
-        cow = shared and opts.shared_writes == "copy_on_write"
-        paths: dict[str, str] = {}
-        if mine is not None:
-            writer_owner: shm.Owner = infos[mine.writer]["owner"]
-            paths = {k: os.path.join(opts.shm_dir, shm.file_name(writer_owner, f"{mine.tag}-{k}"))
-                     for k in layout.arena_bytes}
-        locks: dict[str, int] = {}  # the writer's fds: each holds its file's lock until the file is unlinked
+        full = tuple(topo.node_ranks)
+        share_of = {id(s): sh for s, sh in items}
 
-        def undo() -> None:  # another rank failed: put the model back as it was, leave no file
-            if writing:
-                self._rollback(hw)
-                self._drop_files(locks, paths)
-            hw.arenas, hw.files = [], []
+        def key_of(slot: Slot) -> str:
+            members = share_of[id(slot)].members
+            base = dtype_key(slot.dtype)
+            if members == full and rnd == 0:
+                return base
+            return f"{base}-r{'.'.join(map(str, members))}" + (f"-{rnd}" if rnd else "")
 
-        # 3. writers create their files
+        items = sorted(items, key=lambda it: order[it[0].signature()])
+        sizes = place([s for s, _ in items], opts.alignment, key_of)
+        members = {s.arena: sh.members for s, sh in items}
+        paths = {}
+        for k, m in members.items():
+            tag = f"node{min(m)}-{k}" if m == full and rnd == 0 else f"rank{min(m)}-{k}"
+            paths[k] = os.path.join(opts.shm_dir, shm.file_name(infos[min(m)]["owner"], tag))
+        created = [k for k in sizes if min(members[k]) == self.rank]
+        rd = self.round = _Round(items, sizes, members, paths, created, {})
+
+        def undo() -> None:
+            self._undo(hw)
+
+        # 3. creators create their files
         err: BaseException | None = None
-        if writing:
+        if created:
             try:
-                if opts.cleanup_stale:
+                if opts.cleanup_stale and not self.cleaned:
                     hw.report.setdefault("stale_removed", []).extend(shm.cleanup_stale(opts.shm_dir))
-                shm.check_room(opts.shm_dir, sum(layout.arena_bytes.values()), files=len(paths))
-                for k, p in paths.items():
-                    locks[k] = shm.create(p, layout.arena_bytes[k])
+                    self.cleaned = True
+                shm.check_room(opts.shm_dir, sum(sizes[k] for k in created), files=len(created))
+                for k in created:
+                    rd.locks[k] = shm.create(paths[k], sizes[k])
             except BaseException as exc:
                 err = exc
-                self._drop_files(locks, paths)
+                self._drop_files(rd.locks, {k: paths[k] for k in created})
         self._fail_all(self._gather_status(err), err, undo)
 
-        # 4. writers stream the weights in (through a shared mapping; under copy_on_write the model gets
-        #    copy-on-write views of a file other ranks map too, so a write on this rank never reaches theirs)
-        if writing:
+        # 4. the writers map their files, fill their slots and swap each in at once
+        arenas: list[Arena] = []
+        fills = {s.arena for s, sh in items if sh.filler == self.rank}
+        if fills:
             try:
-                assert mine is not None
-                arenas = self._map(hw, locks, paths, mine, private=cow)
-                if not shared:
-                    self._drop_files(locks, paths)  # mapped: nobody else needs the name
-                self._stream(hw, arenas, total, locks if cow else None)
+                arenas = self._map_round(hw, rd, [k for k in sizes if k in fills])
+                self._stream(hw, arenas, self.total, rd)
             except BaseException as exc:
                 err = exc
                 undo()
         self._fail_all(self._gather_status(err), err, undo)
-        if writing:
-            self._phase(hw, "copied")
+        if fills:
+            self._phase(hw, "copied" if rnd == 0 else "copied_own")
 
-        # 5. readers map the writer's files (shared, made read-only in _finish; or copy-on-write) and check them
-        #    against their own weights before swapping anything in
+        # 5. the other members map the copies and check them against their own values before swapping anything in
         differing: list[str] = []
-        arenas = []
-        if reading:
-            fds: dict[str, int] = {}
+        if items:
+            total, own_fps = self.total, self.own_fps
             try:
-                for k, p in paths.items():
-                    fds[k] = shm.open_existing(p, layout.arena_bytes[k], writable=not cow)
-                assert mine is not None
-                arenas = self._map(hw, fds, paths, mine, private=cow)
-                if verify:
+                arenas += self._map_round(hw, rd, [k for k in sizes if k not in fills])
+                if opts.verify_shared == "full" or self.loader is not None:
                     differing = self._verify(hw, arenas, total)
-                elif own_fps:
+                if opts.verify_shared == "sampled":
                     self._check_sampled(hw, arenas, own_fps)
             except BaseException as exc:
                 err = exc
-                hw.arenas, hw.files = [], []
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
-        results = self.coord.all_gather({"err": _status(err), "bad": differing})
-        if writing:
-            self._drop_files(locks, paths)  # every rank that shares them has mapped them (or failed)
-        bad = {r: x["bad"] for r, x in enumerate(results) if x["bad"]}
+        late = self.loader.late_problems() if self.loader is not None else None
+        results = self.coord.all_gather({"err": _status(err), "bad": differing, "late": late, "names": [
+            (_name_of(s), sh.filler) for s, sh in items if s.signature() in differing]})
+        self._drop_files(rd.locks, {k: paths[k] for k in created})  # every member has mapped them (or failed)
         self._fail_all([x["err"] for x in results], err, undo)
+        self._fail_all([x["late"] for x in results], WeightSourceError(late) if late else None, undo,
+                       cls=WeightSourceError)
+        bad = {r: x["bad"] for r, x in enumerate(results) if x["bad"]}
         if bad and opts.on_mismatch == "error":
             undo()
             raise WeightMismatchError(
-                "ranks that would share one host file hold different weights (found by comparing every byte; the "
-                "sampled fingerprints agreed): " + "; ".join(_differs_text(r, assign[r].writer, names)
-                                                             for r, names in sorted(bad.items())) + ". " + _FIX)
-        if reading:
-            if differing:
-                hw.arenas, hw.files = [], []  # unmapped once the views die; this rank writes its own file next
-            else:
-                self._swap(hw, arenas, total)
-                self._phase(hw, "mapped")
+                "ranks of a node hold different weights (found by comparing every byte; the sampled fingerprints "
+                "agreed): " + "; ".join(_differs_text(r, results[r]["names"]) for r in sorted(bad)) + ". " + _FIX)
+        self._swap(hw, arenas, set(differing))
+        self.round = None
         return bad
-    # -- decisions --------------------------------------------------------------------------------
-    def _check_agreement(self, infos: list[dict[str, Any]]) -> None:
-        for field_name, what in (("skip", "MAGI_SKIP_SHM"), ("ep", "the EP size (MAGI_EP_SIZE)"),
-                                 ("unsafe", "_unsafe_share_across_ranks"), ("pin", "HostOptions.pin"),
-                                 ("conc", "MAGI_PIN_CONCURRENCY"), ("mismatch", "HostOptions.on_mismatch"),
-                                 ("verify", "HostOptions.verify_shared"), ("writes", "HostOptions.shared_writes")):
-            values = {repr(i[field_name]) for i in infos}
-            if len(values) > 1:
-                raise ConfigError(f"ranks disagree on {what}: {[i[field_name] for i in infos]}; set it the same on "
-                                  "every rank")
 
-    def _assign(self, topo: Topology, infos: list[dict[str, Any]]) -> dict[int, _Assignment]:
-        """Writer and readers for every rank (deterministic on every rank), from the layouts and sampled
-        fingerprints: the fast pre-check; ranks it lets share are checked on every byte after the copy."""
-        opts = self.opts
-        out: dict[int, _Assignment] = {}
-        nodes: dict[Any, list[int]] = {}
-        for r, i in enumerate(infos):
-            nodes.setdefault(i["key"], []).append(r)
-        problems: list[str] = []
-        for ranks in nodes.values():
-            if (opts.ep_size or 1) > 1 and not opts._unsafe_share_across_ranks:
-                for r in ranks:
-                    out[r] = _Assignment(writer=r, readers=(r,), tag=f"rank{r}")
-                continue
-            leader = ranks[0]
-            same = [r for r in ranks if infos[r]["digest"] == infos[leader]["digest"]
-                    and (opts._unsafe_share_across_ranks or infos[r]["fps"] == infos[leader]["fps"])]
-            for r in ranks:
-                if r in same:
-                    out[r] = _Assignment(writer=leader, readers=tuple(same), tag=f"node{leader}")
-                else:
-                    problems.append(self._mismatch_text(infos, leader, r))
-                    out[r] = _Assignment(writer=r, readers=(r,), tag=f"rank{r}")
-        if problems and opts.on_mismatch == "error":
-            raise WeightMismatchError(
-                "ranks that would share one host file hold different weights: " + "; ".join(problems) + ". " + _FIX
-            )
-        for p in problems:
-            logger.warning("%s; it gets its own file (on_mismatch='per_rank')", p)
-        return out
-
-    @staticmethod
-    def _mismatch_text(infos: list[dict[str, Any]], leader: int, r: int) -> str:
-        if infos[r]["digest"] != infos[leader]["digest"]:
-            return f"rank {r} has a different model structure (layout) than rank {leader}"
-        a, b = infos[leader]["fps"], infos[r]["fps"]
-        first = next(i for i in range(len(a)) if a[i] != b[i])
-        n = sum(1 for x, y in zip(a, b, strict=True) if x != y)
-        return f"rank {r} differs from rank {leader} in {n} tensor(s), first {infos[r]['names'][first]!r}"
-
-    # -- work ------------------------------------------------------------------------------------
-    def _map(self, hw: HostWeights, fds: dict[str, int], paths: dict[str, str], mine: _Assignment,
-             private: bool) -> list[Arena]:
-        """Map every file (the fds stay open: the caller closes them); ``private``: copy-on-write."""
-        arenas = []
-        for k, fd in fds.items():
-            nbytes = hw.layout.arena_bytes[k]
-            mm = shm.map_fd(fd, nbytes, private=private)
-            inode = os.fstat(fd).st_ino
+    def _map_round(self, hw: HostWeights, rd: _Round, keys: list[str]) -> list[Arena]:
+        """Map the files ``keys`` of the round (shared, or copy-on-write where several ranks map them; a writer
+        also gets a shared mapping to write through); the fds are closed (a creator's stays open until its file
+        is unlinked); files of one rank are unlinked at once."""
+        fills = {s.arena for s, sh in rd.items if sh.filler == self.rank}
+        arenas: list[Arena] = []
+        for k in keys:
+            nbytes = rd.sizes[k]
+            m = rd.members[k]
+            cow = self.opts.shared_writes == "copy_on_write" and len(m) > 1
+            fd = rd.locks.get(k)
+            own_fd = fd is None
+            if fd is None:
+                fd = shm.open_existing(rd.paths[k], nbytes, writable=k in fills or not cow)
+            try:
+                mm = shm.map_fd(fd, nbytes, private=cow)
+                writer = shm.map_fd(fd, nbytes) if cow and k in fills else None  # shared: the bytes reach the file
+                inode = os.fstat(fd).st_ino
+                if k in fills:  # the loader writes through the file (no page faults in this process's mapping)
+                    rd.fds[k] = os.dup(fd)
+            finally:
+                if own_fd:
+                    os.close(fd)
             buf = torch.frombuffer(mm, dtype=torch.uint8)
-            arenas.append(Arena(key=k, nbytes=nbytes, buf=buf, path=paths[k], inode=int(inode),
-                                shared_by=mine.readers, writer=mine.writer, mapping=mm, private=private))
+            a = Arena(key=k, nbytes=nbytes, buf=buf, path=rd.paths[k], inode=int(inode), shared_by=m, writer=min(m),
+                      mapping=mm, private=cow)
+            a.write_map = writer
+            arenas.append(a)
             hw._mapping_refs.append(weakref.ref(mm))
-        hw.arenas = arenas
-        hw.files = [a.path for a in arenas if a.path]
+            hw.arenas.append(a)
+            hw.files.append(rd.paths[k])
+            if len(m) == 1 and k in rd.locks:  # mapped, and nobody else needs the name
+                self._drop_files({k: rd.locks.pop(k)}, {k: rd.paths[k]})
         return arenas
 
     def _progress(self, desc: str, total: int) -> tqdm:
-        return tqdm(total=total, unit="B", unit_scale=True, desc=f"{desc} (rank {self.rank})",
+        return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"{desc} (rank {self.rank})",
                     disable=not self.show, leave=False)
 
-    def _stream(self, hw: HostWeights, arenas: list[Arena], total: int, write_fds: dict[str, int] | None) -> None:
-        """Copy slot by slot and swap each into the model at once (its original is freed there).
+    def _stream(self, hw: HostWeights, arenas: list[Arena], total: int, rd: _Round) -> None:
+        """Fill the slots this rank writes and swap each into the model at once (its original is freed there).
 
-        ``write_fds``: the arenas are copy-on-write views of these files; the bytes go in through a temporary
-        shared mapping of each (a private mapping's pages read the file until this process writes them).
+        Slots read from files are filled by a few threads (each with its own file descriptions and share of the
+        staging window); the others in order, here. Copy-on-write arenas are written through their temporary
+        shared mapping (a private mapping's pages read the file until this process writes them); those mappings
+        are closed at the end.
         """
         by_key = {a.key: a for a in arenas}
-        maps: dict[str, Any] = {}
-        dst: dict[str, torch.Tensor] = {a.key: a.buf for a in arenas}
-        if write_fds is not None:
-            for k, fd in write_fds.items():
-                maps[k] = shm.map_fd(fd, by_key[k].nbytes)
-                dst[k] = torch.frombuffer(maps[k], dtype=torch.uint8)
-        done = 0
+        dst: dict[str, torch.Tensor] = {}
+        for a in arenas:
+            dst[a.key] = torch.frombuffer(a.write_map, dtype=torch.uint8) if a.write_map is not None else a.buf
+        mine = [s for s, sh in rd.items if sh.filler == self.rank]
+        loader = self.loader
+        loaded = [s for s in mine if loader is not None and loader.owns(s)]
+        threads = self._load_threads(loaded) if loader is not None and loader.parallel else 1
+        extra_fds: list[int] = []
         buf: torch.Tensor | None = None
         into: list[torch.Tensor] = []
+        t0 = time.perf_counter()
+
+        def adopt(slot: Slot, bar: tqdm) -> None:
+            views = slot.views(by_key[slot.arena].buf, slot.offset)
+            self.adopted.add(id(slot))
+            hw._adopt(list(zip(slot.entries, views, strict=True)))  # the originals are freed here
+            self.done += slot.nbytes
+            bar.update(slot.nbytes)
+            if self.on_progress is not None:
+                self.on_progress("copy", self.done, total)
+
         try:
-            with self._progress("magi: materialise", total) as bar:
-                for slot in hw.layout.slots:
+            with self._progress("magi: load" if loaded else "magi: materialise", sum(s.nbytes for s in mine)) as bar:
+                if threads > 1:
+                    assert loader is not None
+                    local = threading.local()
+                    fd_lock = threading.Lock()
+
+                    def fill(slot: Slot) -> Slot:
+                        if not hasattr(local, "fds"):
+                            local.fds, local.staging = {}, loader.thread_staging(threads)
+                        k = slot.arena
+                        if k in rd.fds and k not in local.fds:  # a description of its own: sendfile's offset
+                            local.fds[k] = os.open(f"/proc/self/fd/{rd.fds[k]}", os.O_RDWR | os.O_CLOEXEC)
+                            with fd_lock:
+                                extra_fds.append(local.fds[k])
+                        loader.fill(slot, dst[k], slot.offset, local.fds.get(k), local.staging)
+                        return slot
+
+                    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="magi-load") as pool:
+                        futures = [pool.submit(fill, s) for s in loaded]
+                        try:
+                            for fut in concurrent.futures.as_completed(futures):
+                                adopt(fut.result(), bar)
+                        except BaseException:
+                            for fut in futures:
+                                fut.cancel()
+                            raise
+                    loaded_set = {id(s) for s in loaded}
+                    mine = [s for s in mine if id(s) not in loaded_set]
+                for slot in mine:
                     buf = dst[slot.arena]
-                    into = slot.views(buf, slot.offset)
-                    slot.copy_from_model(buf[slot.offset: slot.offset + slot.nbytes], into)
-                    views = into if write_fds is None else slot.views(by_key[slot.arena].buf, slot.offset)
-                    self.adopted.add(id(slot))
-                    hw._adopt(list(zip(slot.entries, views, strict=True)))  # the originals are freed here
-                    done += slot.nbytes
-                    bar.update(slot.nbytes)
-                    if self.on_progress is not None:
-                        self.on_progress("copy", done, total)
+                    if loader is not None and loader.owns(slot):
+                        loader.fill(slot, buf, slot.offset, rd.fds.get(slot.arena))
+                    else:
+                        into = slot.views(buf, slot.offset)
+                        slot.copy_from_model(buf[slot.offset: slot.offset + slot.nbytes], into)
+                    adopt(slot, bar)
         finally:
+            if loader is not None and loaded:
+                loader.seconds += time.perf_counter() - t0
+                loader.threads = max(loader.threads, threads)
+            for fd in [*rd.fds.values(), *extra_fds]:
+                os.close(fd)
+            rd.fds.clear()
             dst.clear()
             buf, into = None, []  # drop every view of the write mappings, so they can be unmapped now
-            for m in maps.values():
-                try:
-                    m.close()
-                except BufferError:  # a view still exists somewhere: unmapped when it dies
-                    pass
+            for a in arenas:
+                if a.write_map is not None:
+                    try:
+                        a.write_map.close()
+                    except BufferError:  # a view still exists somewhere: unmapped when it dies
+                        pass
+                    a.write_map = None
+
+    def _load_threads(self, slots: list[Slot]) -> int:
+        """Threads filling slots from files: HostOptions.load_threads, else one when nothing needs converting (the
+        kernel copies into the arena's file, one writer at a time per file), else the cores shared by the node's
+        ranks (at most 8); one where /proc/self/fd cannot give each thread a file description of its own."""
+        if len(slots) < 2 or not os.path.isdir("/proc/self/fd") or self.loader is None:
+            return 1
+        if self.opts.load_threads is not None:
+            return min(self.opts.load_threads, len(slots))
+        if not any(self.loader.converts(s) for s in slots):
+            return 1
+        return max(1, min(8, len(slots), (os.cpu_count() or 1) // self.node_size))
 
     def _verify(self, hw: HostWeights, arenas: list[Arena], total: int) -> list[str]:
-        """Names of this rank's tensors whose bytes differ from the mapped file's (every byte compared)."""
+        """Signatures of this rank's slots whose values differ from the copy another member wrote (every byte
+        compared; own values, or the source's for a function source)."""
+        assert self.round is not None
         by_key = {a.key: a for a in arenas}
         bad: list[str] = []
         done = 0
         t0 = time.perf_counter()
-        for slot in hw.layout.slots:
-            region = by_key[slot.arena].buf[slot.offset: slot.offset + slot.nbytes]
-            if not same_bytes(slot.source_bytes(), region):
-                bad.append(" = ".join(e.names[0] for e in slot.entries))  # tensors of one storage: named together
+        for slot, share in self.round.items:
+            if share.filler == self.rank or not share.verify:
+                continue
+            arena = by_key[slot.arena]
+            if self.loader is not None and self.loader.owns(slot):
+                same = self.loader.matches(slot, arena.buf, slot.offset)
+            elif self.opts.verify_shared == "full":
+                same = same_bytes(slot.source_bytes(), arena.buf[slot.offset: slot.offset + slot.nbytes])
+            else:
+                continue
+            if not same:
+                bad.append(slot.signature())
             done += slot.nbytes
             if self.on_progress is not None:
                 self.on_progress("verify", done, total)
         seconds = time.perf_counter() - t0
-        hw.report["verify_seconds"] = seconds
-        logger.info("rank %d: compared %d bytes with the shared file in %.2fs (%.2f GB/s)%s", self.rank, done,
-                    seconds, done / max(seconds, 1e-9) / 1e9, f"; {len(bad)} tensor(s) differ" if bad else "")
+        hw.report["verify_seconds"] = hw.report.get("verify_seconds", 0.0) + seconds
+        if done:
+            logger.info("rank %d: compared %d bytes with copies other ranks wrote in %.2fs (%.2f GB/s)%s", self.rank,
+                        done, seconds, done / max(seconds, 1e-9) / 1e9, f"; {len(bad)} tensor(s) differ" if bad else "")
         return bad
 
-    def _check_sampled(self, hw: HostWeights, arenas: list[Arena], own_fps: list[int]) -> None:
+    def _check_sampled(self, hw: HostWeights, arenas: list[Arena], own_fps: dict[int, list[int]]) -> None:
         """verify_shared='sampled': the mapped values' fingerprints must be this rank's."""
+        assert self.round is not None
         by_key = {a.key: a for a in arenas}
-        i = 0
-        for slot in hw.layout.slots:
-            for e, v in zip(slot.entries, slot.views(by_key[slot.arena].buf, slot.offset), strict=True):
-                if fingerprint(v, self.opts.fingerprint_samples) != own_fps[i]:
+        for slot, share in self.round.items:
+            if share.filler == self.rank or not share.verify or id(slot) not in own_fps:
+                continue
+            views = slot.views(by_key[slot.arena].buf, slot.offset)
+            for e, v, fp in zip(slot.entries, views, own_fps[id(slot)], strict=True):
+                if fingerprint(v, self.opts.fingerprint_samples) != fp:
                     raise WeightMismatchError(f"rank {self.rank}: the shared file holds other values for "
                                               f"{e.names[0]!r} than this rank's weights; nothing was replaced")
-                i += 1
 
-    def _swap(self, hw: HostWeights, arenas: list[Arena], total: int) -> None:
+    def _swap(self, hw: HostWeights, arenas: list[Arena], differing: set[str]) -> None:
+        """Swap in the copies other members wrote (not the differing ones); forget arenas this rank does not use."""
+        assert self.round is not None
         by_key = {a.key: a for a in arenas}
-        done = 0
-        for slot in hw.layout.slots:
+        used: set[str] = set()
+        for slot, share in self.round.items:
+            if share.filler == self.rank:
+                used.add(slot.arena)
+                continue
+            if slot.signature() in differing:
+                continue
             views = slot.views(by_key[slot.arena].buf, slot.offset)
+            self.adopted.add(id(slot))
             hw._adopt(list(zip(slot.entries, views, strict=True)))
-            done += slot.nbytes
+            used.add(slot.arena)
+            self.done += slot.nbytes
             if self.on_progress is not None:
-                self.on_progress("map", done, total)
+                self.on_progress("map", self.done, self.total)
+        unused = [a for a in arenas if a.key not in used]  # every slot of it differs: unmapped once its views die
+        if unused:
+            hw.arenas = [a for a in hw.arenas if a not in unused]
+            hw.files = [p for p in hw.files if p not in {a.path for a in unused}]
+        if any(sh.filler != self.rank for _, sh in self.round.items):
+            self._phase(hw, "mapped")
 
     def _rollback(self, hw: HostWeights) -> None:
         """Give every tensor already swapped into a mapping memory of its own again, on its original device,
-        with the same values; forget the mappings (unmapped once the last view dies)."""
+        with the same values (a tensor loaded from a source: its meta tensor back); forget the mappings
+        (unmapped once the last view dies)."""
         for slot in hw.layout.slots:
             if id(slot) not in self.adopted:
+                continue
+            if any(e.original is not None for e in slot.entries):
+                for e in slot.entries:
+                    with _live_lock:
+                        if _owned.get(id(e.tensor)) is hw:
+                            del _owned[id(e.tensor)]
+                    _unreplace(e)
                 continue
             buf = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.devices[id(slot)])
             views = slot.views(buf, 0)
@@ -661,22 +878,50 @@ class _Materializer:
         hw.arenas, hw.files = [], []
 
     def _plain(self, hw: HostWeights) -> None:
-        """MAGI_SKIP_SHM: host tensors stay as they are; device tensors are copied to plain host memory."""
+        """MAGI_SKIP_SHM: host tensors stay as they are; device tensors are copied to plain host memory; tensors
+        from a weight source are read into plain host memory."""
         hw.report.update(mode="plain", rank=self.rank)
         done, total = 0, hw.layout.weight_bytes
-        for slot in hw.layout.slots:
-            t = slot.entries[0].tensor
-            if t.device.type == "cpu":
-                views = [e.tensor.data for e in slot.entries]
-            else:
-                buf = torch.empty(slot.nbytes, dtype=torch.uint8)
-                views = slot.views(buf, 0)
-                slot.copy_from_model(buf, views)
-            hw._adopt(list(zip(slot.entries, views, strict=True)))
-            done += slot.nbytes
-            if self.on_progress is not None:
-                self.on_progress("copy", done, total)
+        try:
+            for slot in hw.layout.slots:
+                t = slot.entries[0].tensor
+                if self.loader is not None and self.loader.owns(slot):
+                    buf = torch.zeros(slot.nbytes, dtype=torch.uint8)
+                    t0 = time.perf_counter()
+                    self.loader.fill(slot, buf, 0)
+                    self.loader.seconds += time.perf_counter() - t0
+                    views = slot.views(buf, 0)
+                elif t.device.type == "cpu":
+                    views = [e.tensor.data for e in slot.entries]
+                else:
+                    buf = torch.empty(slot.nbytes, dtype=torch.uint8)
+                    views = slot.views(buf, 0)
+                    slot.copy_from_model(buf, views)
+                self.adopted.add(id(slot))
+                hw._adopt(list(zip(slot.entries, views, strict=True)))
+                done += slot.nbytes
+                if self.on_progress is not None:
+                    self.on_progress("copy", done, total)
+            late = self.loader.late_problems() if self.loader is not None else None
+            if late is not None:
+                raise WeightSourceError(late)
+        except BaseException:
+            self._undo(hw)
+            raise
         self._phase(hw, "copied")
+
+    # -- decisions --------------------------------------------------------------------------------------------
+    def _check_agreement(self, infos: list[dict[str, Any]]) -> None:
+        for field_name, what in (("skip", "MAGI_SKIP_SHM"), ("ep", "the EP size (MAGI_EP_SIZE)"),
+                                 ("unsafe", "_unsafe_share_across_ranks"), ("pin", "HostOptions.pin"),
+                                 ("conc", "MAGI_PIN_CONCURRENCY"), ("mismatch", "HostOptions.on_mismatch"),
+                                 ("verify", "HostOptions.verify_shared"), ("writes", "HostOptions.shared_writes"),
+                                 ("loading", "loading from a weight source (magi_core.load on every rank, or on "
+                                             "none)")):
+            values = {repr(i[field_name]) for i in infos}
+            if len(values) > 1:
+                raise ConfigError(f"ranks disagree on {what}: {[i[field_name] for i in infos]}; set it the same on "
+                                  "every rank")
 
     def _finish(self, hw: HostWeights, topo: Topology | None, infos: list[dict[str, Any]]) -> HostWeights:
         with _live_lock:
@@ -694,6 +939,11 @@ class _Materializer:
             self._check_private_copies(hw)
         hw.report["pinned_bytes"] = hw.pinned_bytes
         hw.report["weight_bytes"] = hw.weight_bytes
+        if self.loader is not None:
+            rep = hw.report["load"] = self.loader.report()
+            logger.info("rank %d: read %d tensor(s), %.3f GB from %s in %.2fs (%.2f GB/s); staging window %d bytes",
+                        self.rank, rep["tensors"], rep["bytes_read"] / 1e9, rep["source"], rep["read_seconds"],
+                        rep["GBps"], rep["staging_bytes"])
         hw.report["files"] = [a.info() for a in hw.arenas]
         self._phase(hw, "done")
         return hw
@@ -789,17 +1039,56 @@ class _Materializer:
         locks.clear()
 
 
-_FIX = ("If the model is expert-parallel, set MAGI_EP_SIZE (or HostOptions(ep_size=...)) so every rank gets its own "
-        "file; to give only the differing ranks their own files, use HostOptions(on_mismatch='per_rank')")
+_FIX = ("If the ranks hold different weights on purpose (expert parallelism), use HostOptions(on_mismatch='copy') "
+        "(the default): differing tensors get a copy per rank, identical ones stay shared (set MAGI_EP_SIZE to say "
+        "the differences are expected)")
 
 
 def _status(err: BaseException | None) -> str | None:
     return f"{type(err).__name__}: {err}" if err is not None else None
 
 
-def _differs_text(rank: int, writer: int, names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return f"rank {rank} differs from rank {writer} in {len(names)} tensor(s): {shown}"
+def _show(names: list[str], n: int = 5) -> str:
+    return ", ".join(repr(x) for x in names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _name_of(slot: Slot) -> str:
+    return " = ".join(e.names[0] for e in slot.entries)  # tensors of one storage: named together
+
+
+def _differs_text(rank: int, pairs: list[tuple[str, int]]) -> str:
+    by_writer: dict[int, list[str]] = {}
+    for name, writer in pairs:
+        by_writer.setdefault(writer, []).append(name)
+    return "; ".join(f"rank {rank} differs from rank {w} in {len(names)} tensor(s): {_show(names)}"
+                     for w, names in sorted(by_writer.items()))
+
+
+def _copies(node: tuple[int, ...], claims: dict[int, list[Any]], shares: dict[int, list[Share]],
+            rnd: int) -> dict[tuple[int, str, tuple[int, ...]], int]:
+    """(round, signature, members) -> bytes of every copy a round makes on the node."""
+    return {(rnd, sig, sh.members): n for r in node for (sig, _, n), sh in zip(claims[r], shares[r], strict=True)}
+
+
+def _arena_members(hw: HostWeights, slot: Slot) -> tuple[int, ...]:
+    return next((a.shared_by for a in hw.arenas if a.key == slot.arena), ())
+
+
+def _sampled_differences(node: tuple[int, ...], infos: list[dict[str, Any]],
+                         shares: dict[int, list[Share]]) -> list[str]:
+    """on_mismatch='error': the ranks of ``node`` whose structure or sampled values differ from the lowest rank's."""
+    leader = node[0]
+    lead = {sig for sig, _, _ in infos[leader]["slots"]}
+    out = []
+    for r in node[1:]:
+        if {sig for sig, _, _ in infos[r]["slots"]} != lead:
+            out.append(f"rank {r} has a different model structure (layout) than rank {leader}")
+            continue
+        differ = [i for i, sh in enumerate(shares[r]) if leader not in sh.members]
+        if differ:
+            out.append(f"rank {r} differs from rank {leader} in {len(differ)} tensor(s), first "
+                       f"{infos[r]['names'][differ[0]]!r}")
+    return out
 
 
 __all__ = ["Arena", "HostWeights", "ProgressCallback", "materialize"]

@@ -6,10 +6,14 @@ EP size, first match wins:
 2. ``MAGI_EP_SIZE``;
 3. launcher variables, in this order: ``EXPERT_MODEL_PARALLEL_SIZE`` (Megatron-style launch scripts),
    ``EXPERT_PARALLEL_SIZE``, ``EP_SIZE``;
-4. 1 (every rank holds the same weights). With EP size 1 the ranks of a node share one file, and a
-   sampled fingerprint of every tensor (a fast pre-check) and then a comparison of every byte prove they
-   really hold the same weights: when they do not, :func:`magi_core.host.materialize` fails on every rank
-   naming the tensors and says to set ``MAGI_EP_SIZE``; it never silently shares.
+4. 1 (every rank holds the same weights).
+
+The EP size is a hint: the ranks of a node share each tensor they hold byte for byte, and each differing
+tensor gets a copy per distinct content (:func:`plan_sharing`): a sampled fingerprint of every tensor (or
+the provenance of a tensor read from a weight source) groups the candidates, and a comparison of every byte
+proves a group's members really hold the same bytes before any of them uses the copy; the members that
+differ share a copy among those of them that hold the same bytes (further rounds). EP > 1 only says
+differences are expected (no warning about them); tensors known to differ are never compared.
 
 Node-local peers are found by exchanging (host name, shm-directory device and inode, uid) over
 torch.distributed, so ranks that can open the same file are grouped whatever launcher started them;
@@ -23,6 +27,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,3 +151,65 @@ def build_topology(rank: int, keys: list[Any], ep_size: int, shm_dir: str) -> To
             "files are shared by the latter", topo.rank, env_lws, topo.local_world_size, shm_dir,
         )
     return topo
+
+
+#: What a rank knows about one slot's values, to decide whom it can share a copy with: ``("tok", key)`` its
+#: provenance (read from the same bytes of the same file with the same conversion: equal by construction, never
+#: compared); ``("fp", n)`` a sampled fingerprint of the values it holds (equal ones are candidates, compared in
+#: full); ``("unk",)`` values a source produces on request (candidates, compared in full); ``("own",)`` never shared.
+Claim = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Share:
+    """How one slot of one rank is held on its node: which ranks hold one copy of it together, who writes it."""
+
+    #: The ranks holding this copy (sorted); ``(rank,)``: a copy of its own.
+    members: tuple[int, ...]
+    #: The member that writes the copy's bytes (from its own values or from the source); the others map it.
+    filler: int
+    #: The members other than the filler compare their own values with the copy, every byte, before using it.
+    verify: bool
+
+
+def plan_sharing(node: Sequence[int], slots: Mapping[int, Sequence[tuple[str, Claim, int]]], *,
+                 unsafe: bool = False) -> dict[int, list[Share]]:
+    """Per rank of ``node``, one :class:`Share` per slot of ``slots[rank]`` (``(signature, claim, nbytes)`` in
+    that rank's order); the same answer on every rank.
+
+    Ranks whose slots have one signature (names, dtypes, shapes) are grouped by claim: equal provenance shares
+    without comparison, equal fingerprints and source-produced values share after a full comparison. A copy of
+    values the ranks already hold is written by its lowest member (a memory copy); reading a source is spread
+    over the members, fewest bytes first (each tensor is still read by one rank). ``unsafe`` (tests only): one
+    copy per signature, written by the lowest rank, never compared (the old corrupting way).
+    """
+    index = {r: {sig: i for i, (sig, _, _) in enumerate(slots[r])} for r in node}
+    out: dict[int, list[Share | None]] = {r: [None] * len(slots[r]) for r in node}
+    load = dict.fromkeys(node, 0)
+    for sig in global_order(node, slots):
+        holders = [r for r in node if sig in index[r]]
+        nbytes = slots[holders[0]][index[holders[0]][sig]][2]
+        groups: dict[Any, list[int]] = {}
+        for r in holders:
+            claim = slots[r][index[r][sig]][1]
+            key = ("all",) if unsafe else ("own", r) if claim[0] == "own" else claim
+            groups.setdefault(key, []).append(r)
+        for key, members in groups.items():
+            verify = key[0] in ("fp", "unk") and len(members) > 1
+            spread = key[0] in ("tok", "unk")
+            filler = min(members, key=lambda m: (load[m], m)) if spread else members[0]
+            load[filler] += nbytes
+            share = Share(tuple(members), filler, verify)
+            for r in members:
+                out[r][index[r][sig]] = share
+    return {r: [s for s in shares if s is not None] for r, shares in out.items()}
+
+
+def global_order(node: Sequence[int], slots: Mapping[int, Sequence[tuple[str, Claim, int]]]) -> dict[str, int]:
+    """Signature -> position in the node's slot order (first appearance, ranks in order): arenas shared by several
+    ranks are laid out in this order, so every member computes the same offsets."""
+    order: dict[str, int] = {}
+    for r in node:
+        for sig, _, _ in slots[r]:
+            order.setdefault(sig, len(order))
+    return order

@@ -3,14 +3,14 @@
 Writes ``<out>/rank<R>.json`` with what the test checks. Scenarios:
 ``ep``       every rank builds its own experts; EP size from MAGI_EP_SIZE (or --unsafe to force one file)
 ``shared``   identical weights on every rank (EP 1): one file per node
-``mismatch`` EP 1 but different experts: error expected, then on_mismatch='per_rank'
+``mismatch`` EP 1 but different experts: error expected (on_mismatch='error'), then on_mismatch='copy'
 ``crash``    rank 0 kills itself in the middle of copying (the test then checks the cleanup)
 ``sparse``   EP 1, every rank equal except one embedding row on rank 1 (64 of 262144 elements: the sampled
-             fingerprint cannot see it): error expected, then on_mismatch='per_rank'
+             fingerprint cannot see it): error expected (on_mismatch='error'), then on_mismatch='copy'
 ``write``    EP 1, identical weights: after materialising, rank 0 writes in place into a parameter and a
              buffer (``--shared-writes copy_on_write``: itself; read_only: in forked children, which die)
 ``tamper``   EP 1, identical weights, but the shared file is rewritten (every byte inverted) after the writer's
-             copy, just before rank 1 opens it: error expected, then a clean run with on_mismatch='per_rank'
+             copy, just before rank 1 opens it: error expected, then a clean run with on_mismatch='copy'
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     opts = HostOptions(_unsafe_share_across_ranks=args.unsafe, progress=False, shared_writes=args.shared_writes,
-                       verify_shared=args.verify)
+                       verify_shared=args.verify,
+                       on_mismatch="error" if args.scenario in ("mismatch", "sparse") else "copy")
     hw = None
     if args.scenario in ("mismatch", "sparse", "tamper"):
         ptr_before = model.experts.data_ptr()
@@ -200,7 +201,7 @@ def main() -> None:
         dist.barrier()  # every rank has cleaned up before anyone lists the directory
         rec["files_after_error"] = sorted(os.listdir(shm_dir))
         dist.barrier()
-        opts = HostOptions(on_mismatch="per_rank", progress=False)
+        opts = HostOptions(on_mismatch="copy", progress=False)
     if hw is None:
         hw = materialize(model, options=opts, on_progress=on_progress,
                          backend=privatising_backend() if args.privatising_pin else None)
