@@ -36,21 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from magi_core.bench.measure import cpu_name
 from magi_core.host import HostOptions, materialize
 from magi_core.host.memstat import anonymous_bytes
 
 MB = 1 << 20
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class _Layer(nn.Module):
@@ -219,7 +209,7 @@ def main() -> int:
                     "cache",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-            "hardware": {"cpu": _cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
+            "hardware": {"cpu": cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
                          "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
             "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "load_avg_at_end": os.getloadavg(),

@@ -38,20 +38,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from magi_core.bench.measure import cpu_name
 from magi_core.host import HostOptions, materialize, shm
 
 MB = 1 << 20
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class _Model(nn.Module):
@@ -177,7 +167,7 @@ def main() -> int:
         "what": "host bytes per node with per-tensor sharing by content, vs all-shared and all-private layouts",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "hardware": {"cpu": _cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
+        "hardware": {"cpu": cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
                      "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
         "python": platform.python_version(), "torch": torch.__version__, "shm_fs": shm.fs_type(args.shm_dir),
         "model": {"dense_mb": args.dense_mb, "experts_mb": args.experts_mb},

@@ -31,21 +31,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from magi_core.bench.measure import cpu_name
 from magi_core.host import HostOptions, materialize, shm
 from magi_core.host.arena import same_bytes
 
 MB = 1 << 20
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def compare(shm_dir: str, total_mb: int, slot_kib: int, repeats: int) -> dict[str, Any]:
@@ -150,7 +140,7 @@ def main() -> int:
     doc = {
         "what": "full-content check of shared host weights: same_bytes of own tensors vs the mapped file",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": {"cpu": _cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
+        "hardware": {"cpu": cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
                      "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
         "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "shm_fs": shm.fs_type(shm_dir), "load_avg_at_end": os.getloadavg(), "compare": rows, "end_to_end": e2e,

@@ -180,13 +180,18 @@ def hardware_name(backend: Backend) -> str:
             except Exception:  # a name is cosmetic; never fail the run for it
                 pass
         return backend.device_type
+    return "cpu " + cpu_name()
+
+
+def cpu_name() -> str:
+    """The host CPU model (``/proc/cpuinfo``), else what :mod:`platform` knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return "cpu " + line.split(":", 1)[1].strip()
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     import platform
 
-    return "cpu " + (platform.processor() or platform.machine())
+    return platform.processor() or platform.machine()
