@@ -26,8 +26,7 @@ import torch.distributed as dist
 
 import magi_core
 from magi_core import get_backend
-from magi_core.bench.models import TransformerSpec
-from magi_core.bench.workloads import MLPShape, mlp_workload, transformer_workload
+from magi_core.bench.workloads import probe_workload
 from magi_core.config import OffloadConfig
 
 
@@ -54,13 +53,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     accel = be.is_accelerator
     hidden = args.hidden or (4096 if accel else 64)
-    dtype = torch.bfloat16 if accel else torch.float32
-    if args.model == "mlp":
-        wl = mlp_workload(MLPShape(hidden=hidden, layers=args.layers or 24, ffn_mult=4), dtype)
-    else:
-        wl = transformer_workload(TransformerSpec(layers=args.layers or 8, hidden=hidden, heads=32 if accel else 4,
-                                                  ffn_mult=3.5, dtype=dtype))
-    wl.materialize_base()
+    wl = probe_workload(args.model, accel, args.layers, hidden)
     x = wl.make_input(args.tokens, device)
     res: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
 import time
 
 import torch
+from script_io import emit_json
 
 from magi_core.execute.freshness import WeightWatch
 
@@ -52,11 +52,7 @@ def main() -> int:
         "hardware": platform.processor() or platform.machine(), "python": platform.python_version(),
         "torch": torch.__version__, "target_us_per_weight": 1.0, "rows": rows,
     }
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit_json(doc, args.out)
     return 0
 
 

@@ -38,8 +38,7 @@ import torch
 
 import magi_core
 from magi_core import get_backend
-from magi_core.bench.models import TransformerSpec
-from magi_core.bench.workloads import MLPShape, mlp_workload, transformer_workload
+from magi_core.bench.workloads import probe_workload
 from magi_core.config import OffloadConfig
 from magi_core.execute.unit_compile import output_code
 
@@ -140,13 +139,7 @@ def main() -> int:
     accel = be.is_accelerator
     hidden = args.hidden or (4096 if accel else 64)
     tokens = args.tokens or (2048 if accel else 16)
-    dtype = torch.bfloat16 if accel else torch.float32
-    if args.model == "mlp":
-        wl = mlp_workload(MLPShape(hidden=hidden, layers=args.layers or 24, ffn_mult=4), dtype)
-    else:
-        wl = transformer_workload(TransformerSpec(layers=args.layers or 8, hidden=hidden, heads=32 if accel else 4,
-                                                  ffn_mult=3.5, dtype=dtype))
-    wl.materialize_base()
+    wl = probe_workload(args.model, accel, args.layers, hidden)
     x = wl.make_input(tokens, device)
     sync = dm.synchronize
     res: dict[str, Any] = {

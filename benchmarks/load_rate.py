@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from script_io import emit_json
 from torch import nn
 
 from magi_core.bench.measure import cpu_name
@@ -223,11 +224,7 @@ def main() -> int:
     finally:
         if own_dir:
             shutil.rmtree(path, ignore_errors=True)
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit_json(doc, args.out)
     return 0
 
 

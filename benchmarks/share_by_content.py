@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from script_io import emit_json
 from torch import nn
 
 from magi_core.bench.measure import cpu_name
@@ -173,11 +174,7 @@ def main() -> int:
         "model": {"dense_mb": args.dense_mb, "experts_mb": args.experts_mb},
         "results": rows, "files_left": left,
     }
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit_json(doc, args.out)
     return 0
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from script_io import emit_json
 from torch import nn
 
 from magi_core.bench.measure import cpu_name
@@ -146,11 +147,7 @@ def main() -> int:
         "shm_fs": shm.fs_type(shm_dir), "load_avg_at_end": os.getloadavg(), "compare": rows, "end_to_end": e2e,
         "files_left": left,
     }
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit_json(doc, args.out)
     return 0
 
 

@@ -242,3 +242,18 @@ def transformer_workload(spec: TransformerSpec) -> Workload:
 
 
 WORKLOADS = ("mlp", "transformer")
+
+
+def probe_workload(model: str, accelerator: bool, layers: int | None = None, hidden: int | None = None) -> Workload:
+    """The benchmark scripts' workloads: the MLP stack (24 blocks) or the synthetic transformer (8 blocks), at
+    full width (bf16) on an accelerator and tiny (float32) on the host, base weights materialised."""
+    hidden = hidden or (4096 if accelerator else 64)
+    dtype = torch.bfloat16 if accelerator else torch.float32
+    if model == "mlp":
+        wl = mlp_workload(MLPShape(hidden=hidden, layers=layers or 24, ffn_mult=4), dtype)
+    else:
+        wl = transformer_workload(TransformerSpec(layers=layers or 8, hidden=hidden, heads=32 if accelerator else 4,
+                                                  ffn_mult=3.5, dtype=dtype))
+    wl.materialize_base()
+    return wl
+
