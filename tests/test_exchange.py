@@ -7,6 +7,7 @@ one launch; single-process tests cover the plan digest, the shard arithmetic and
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -88,13 +89,16 @@ def test_plan_digest_sees_every_difference_that_changes_the_collectives() -> Non
     assert plan_fingerprint(a, [[8], [8]]) != plan_fingerprint(acts(((0,), (1,)), ((0, 1), ())), [[8], [8]])
 
 
-def test_exchange_config(shm_dir: str) -> None:
+def test_exchange_config(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     backend = get_backend()
     assert magi_core.OffloadConfig().exchange == "off"
     with pytest.raises(magi_core.ConfigError, match="exchange"):
         magi_core.OffloadConfig(exchange="always")
-    # one process, no process group: "auto" quietly does not exchange, "on" says what it needs
-    assert exchange_transfer(magi_core.OffloadConfig(exchange="auto"), backend, backend.device(), None) is None
+    # one process, no process group: "auto" does not exchange (and says why on the host backend), "on" says
+    # what it needs
+    with caplog.at_level(logging.INFO, logger="magi_core.compile.exchange"):
+        assert exchange_transfer(magi_core.OffloadConfig(exchange="auto"), backend, backend.device(), None) is None
+    assert backend.is_accelerator or "only between accelerators" in caplog.text
     with pytest.raises(magi_core.ConfigError, match="torchrun"):
         exchange_transfer(magi_core.OffloadConfig(exchange="on"), backend, backend.device(), None)
     assert not torch.distributed.is_initialized()

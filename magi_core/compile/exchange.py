@@ -35,6 +35,9 @@ register_env_names(["MAGI_EXCHANGE_TIMEOUT_S"])
 #: How long a rank waits for the others in an exchange before failing (a dead or diverged rank), in seconds.
 EXCHANGE_TIMEOUT_S = env_float("MAGI_EXCHANGE_TIMEOUT_S", minimum=1.0) or 300.0
 
+#: Process-group backends whose all-gather works on device tensors (torch_musa registers "mccl").
+DEVICE_COLLECTIVES = ("nccl", "mccl", "xccl", "hccl")
+
 _groups: tuple[Any, Any] | None = None
 _groups_lock = threading.Lock()
 
@@ -82,7 +85,11 @@ def exchange_transfer(
     config: OffloadConfig, backend: Backend, device: torch.device, host: HostWeights | None
 ) -> ExchangeTransfer | None:
     """The exchange transfer ``config.exchange`` asks for, or None (off, one rank, or nothing to exchange with)."""
-    if config.exchange == "off" or (config.exchange == "auto" and not backend.is_accelerator):
+    if config.exchange == "off":
+        return None
+    if config.exchange == "auto" and not backend.is_accelerator:
+        logger.info("magi exchange: 'auto' exchanges only between accelerators (backend %r): each rank copies "
+                    "its own weights", backend.name)
         return None
     groups = node_groups()
     if groups is None:
@@ -91,6 +98,18 @@ def exchange_transfer(
                 "OffloadConfig(exchange='on') needs torch.distributed initialised with more than one rank on the "
                 "node (e.g. torchrun --nproc-per-node 2 ...); use exchange='auto' to exchange only when it can"
             )
+        return None
+    kind = str(dist.get_backend(groups[0])).lower()
+    if backend.is_accelerator and kind not in DEVICE_COLLECTIVES:
+        if config.exchange == "on":
+            raise ConfigError(
+                f"OffloadConfig(exchange='on'): the process group's backend {kind!r} has no device all-gather "
+                f"magi-core knows ({', '.join(DEVICE_COLLECTIVES)}); initialise torch.distributed with one of "
+                "them, or use exchange='auto' (falls back to per-rank copies)"
+            )
+        logger.warning("magi exchange: process group backend %r has no device all-gather; each rank copies its "
+                       "own weights (initialise torch.distributed with %s to exchange)", kind,
+                       " or ".join(DEVICE_COLLECTIVES))
         return None
     group, meta = groups
     logger.info("magi exchange: %d ranks of this node share the weights they stream", dist.get_world_size(group))
