@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from magi_core.bench.analysis import merge
-from magi_core.bench.report import load, write_report
+from magi_core.bench.report import is_exchange_doc, load, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         args.results = [] if args.merge.resolve().parent == results_dir else [args.merge]
     paths = args.results or sorted((ROOT / "benchmarks" / "results").glob("*.json"))
     # the results folder also holds other benchmarks' JSON (host bandwidth): keep `magi bench` documents only
-    docs = [load(p) for p in paths if args.results or "runs" in json.loads(p.read_text())]
-    for path in write_report(docs, args.md, args.plots):
+    raw = {p: json.loads(p.read_text()) for p in paths}
+    exchanges = [d for d in raw.values() if is_exchange_doc(d)]
+    docs = [load(p) for p, d in raw.items() if not is_exchange_doc(d) and (args.results or "runs" in d)]
+    for path in write_report(docs, args.md, args.plots, exchanges):
         print(f"wrote {path}")
     return 0
 

@@ -94,3 +94,16 @@ def test_report_script_merges_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     elsewhere.parent.mkdir()
     assert mod.main(["--merge", str(elsewhere), *parts, "--md", str(tmp_path / "C.md")]) == 0
     assert "80.00 - 100.00 (2 processes)" in (tmp_path / "C.md").read_text()
+
+
+def test_exchange_results_get_their_own_section() -> None:
+    from magi_core.bench.report import exchange_markdown, is_exchange_doc
+
+    entry = {"step_ms": 60.0, "weight_rate_GBps": 100.0, "x_single_link_rate": 1.85, "exchanges": 12}
+    doc = {"model": "mlp", "tokens": 2048, "gpus": 2, "hardware": "GPU", "date": "2026-12-01", "link_GBps": 54.0,
+           "weight_bytes": 6 << 30, "outputs_identical": [True, True], "ok": True, "target": ">= 1.6x",
+           "exchange_off": [{**entry, "x_single_link_rate": 0.97, "exchanges": 0}] * 2, "exchange_on": [entry] * 2}
+    assert is_exchange_doc(doc) and not is_exchange_doc({"runs": []})
+    text = "\n".join(exchange_markdown([doc, {**doc, "ok": False, "outputs_identical": [True, False]}]))
+    assert text.count("| 0 | on | 60.000 | 100.0 | 1.85 | 12 |") == 2
+    assert "**met**" in text and "**missed**" in text and "per-rank path: False" in text
