@@ -102,3 +102,30 @@ def test_exchange_config(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None
     with pytest.raises(magi_core.ConfigError, match="torchrun"):
         exchange_transfer(magi_core.OffloadConfig(exchange="on"), backend, backend.device(), None)
     assert not torch.distributed.is_initialized()
+
+
+def test_without_a_device_all_gather_auto_falls_back_and_on_says_how(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An accelerator whose process group is gloo (no device all-gather magi-core knows): "auto" copies per rank
+    # with a warning, "on" is a config error naming the backends that work.
+    import dataclasses
+
+    import magi_core.compile.exchange as exchange_mod
+
+    cpu = get_backend()
+    if cpu.is_accelerator:
+        pytest.skip("builds an accelerator facade from the CPU backend's")
+    acc = dataclasses.replace(cpu, device_type="meta")
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(exchange_mod, "node_groups", lambda: (dist.group.WORLD, dist.group.WORLD))
+        with caplog.at_level(logging.WARNING, logger="magi_core.compile.exchange"):
+            cfg = magi_core.OffloadConfig(exchange="auto")
+            assert exchange_transfer(cfg, acc, torch.device("meta"), None) is None
+        assert "no device all-gather" in caplog.text and "nccl" in caplog.text
+        with pytest.raises(magi_core.ConfigError, match="nccl"):
+            exchange_transfer(magi_core.OffloadConfig(exchange="on"), acc, torch.device("meta"), None)
+    finally:
+        dist.destroy_process_group()
