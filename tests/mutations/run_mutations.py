@@ -139,6 +139,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("core", ("tests/test_host_shm.py",)),),
     ),
     Mutation(
+        "h", "packing: batches alive at the same time may share bytes of the unit transfer's device buffer",
+        "magi_core/plan/packing.py",
+        "    return any(lo1 <= hi2 and lo2 <= hi1 for lo1, hi1 in a for lo2, hi2 in b)\n",
+        "    return False\n",
+        (("core", ("tests/test_transfer.py",)), ("privateuse1", EXECUTOR_PU1)),
+    ),
+    Mutation(
         "g", "device placement: a lifted host scalar's .to(cpu) is rewritten to the device",
         "magi_core/passes/device_placement.py",
         "            return False  # a host scalar moved to the host: leave it\n",
