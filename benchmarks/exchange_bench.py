@@ -1,6 +1,7 @@
 """Weight exchange across the GPUs of one host against each rank streaming everything over its own link.
 
     torchrun --nproc-per-node 2 benchmarks/exchange_bench.py --out benchmarks/results/exchange_2xh200.json
+    torchrun --nproc-per-node 2 benchmarks/exchange_bench.py --model llama8b --tokens 2048 --out ...  (transformers)
 
 Every rank runs the same model (data parallel) at ratio 0 (everything streamed) from one shared host copy,
 HEURISTIC, with ``OffloadConfig(exchange="off")`` (each rank copies every weight over its own host link) and
@@ -26,6 +27,8 @@ import torch.distributed as dist
 
 import magi_core
 from magi_core import get_backend
+from magi_core.bench.measure import main_tensor
+from magi_core.bench.real import REAL_WORKLOADS, real_workload
 from magi_core.bench.workloads import probe_workload
 from magi_core.config import OffloadConfig
 
@@ -33,7 +36,9 @@ from magi_core.config import OffloadConfig
 def main() -> None:
     """Run both paths on every rank and write the figures (rank 0)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    ap.add_argument("--model", choices=("mlp", "transformer", "llama8b", "wan14b"), default="mlp",
+                    help="llama8b / wan14b: the real-model workloads of `magi bench` (full size on an accelerator, "
+                    "tiny on the cpu backend; --layers sets their blocks)")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--hidden", type=int, default=None)
@@ -53,8 +58,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     accel = be.is_accelerator
     hidden = args.hidden or (4096 if accel else 64)
-    wl = probe_workload(args.model, accel, args.layers, hidden)
-    x = wl.make_input(args.tokens, device)
+    if args.model in REAL_WORKLOADS:
+        wl = real_workload(args.model, torch.bfloat16 if accel else torch.float32, "full" if accel else "tiny",
+                           args.layers)
+        wl.materialize_base()
+    else:
+        wl = probe_workload(args.model, accel, args.layers, hidden)
+    call_args, call_kwargs = wl.make_inputs(args.tokens, device)
     res: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "hardware": dm.get_device_name() if accel and hasattr(dm, "get_device_name") else platform.processor(),
@@ -70,13 +80,13 @@ def main() -> None:
         m = magi_core.offload(wl.fresh(), cfg)
         with torch.no_grad():
             for _ in range(4):
-                m(x)
+                m(*call_args, **call_kwargs)
             times = []
             for _ in range(args.steps):
                 dm.synchronize()
                 dist.barrier()
                 t0 = time.perf_counter()
-                out = m(x)
+                out = main_tensor(m(*call_args, **call_kwargs))
                 dm.synchronize()
                 times.append(time.perf_counter() - t0)
             outs[mode] = out.float().cpu()
