@@ -1,0 +1,151 @@
+"""The 70B case of issue 16: two ranks, one host copy, weights filled straight into the shared arena.
+
+On the 2-GPU machine (2x H200, ~251 GB host memory, /dev/shm 256 GB)::
+
+    MAGI_PIN_CONCURRENCY=2 torchrun --nproc-per-node 2 benchmarks/llama70b_two_gpus.py \\
+        --out benchmarks/results/<date>-llama70b-2xh200.json
+
+Every rank builds transformers' ``LlamaForCausalLM`` at the Llama-3-70B shape (80 layers, hidden 8192, FFN
+28672, 64 heads, 8 KV heads, vocab 128256; ~141 GB in bf16) on the meta device and calls ``magi_core.load``
+with a function source declared identical across ranks (values tiled from a seeded pool at a name-dependent
+offset, norms ones): one rank of the node fills each tensor into the shared arena, the other maps it, so the
+node holds the weights once (two private copies would not fit). Each rank then runs the model (data
+parallel, same inputs) with half the weights resident (``gpu_resident_weight_ratio=0.5``) and streams the
+rest. Reported (rank 0 writes the JSON, with every rank's figures): load seconds and rate, shared-memory
+bytes of the node before / after (``/proc/meminfo`` Shmem) against the weight bytes, each rank's step time
+against its ideal (streamed bytes / the host-to-device rate measured while both ranks copy), time to first
+step. On the cpu backend ``--layers 2 --hidden 64`` runs a tiny version with two gloo ranks (a rehearsal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from script_io import emit_json
+
+import magi_core
+from magi_core import get_backend
+from magi_core.bench.measure import main_tensor
+from magi_core.config import OffloadConfig
+from magi_core.host import CallableSource, HostOptions
+from magi_core.host.memstat import system_memory
+
+POOL = (1 << 24) + 4099  # not a multiple of a row length
+
+
+def weights_fn(pool: torch.Tensor) -> Any:
+    """``(name, meta) -> tensor``: norms ones, the rest the pool tiled from an offset that depends on the name."""
+
+    def fn(name: str, meta: torch.Tensor) -> torch.Tensor:
+        t = torch.empty(meta.shape, dtype=meta.dtype)
+        if name.endswith("norm.weight"):
+            return t.fill_(1.0)
+        flat, start = t.view(-1), zlib.crc32(name.encode()) % pool.numel()
+        tile = torch.cat([pool[start:], pool[:start]]).to(meta.dtype)
+        rows = flat.numel() // tile.numel()
+        if rows:
+            flat[:rows * tile.numel()].view(rows, -1).copy_(tile.expand(rows, -1))
+        rest = flat.numel() - rows * tile.numel()
+        if rest:
+            flat[flat.numel() - rest:].copy_(tile[:rest])
+        return t
+
+    return fn
+
+
+def main() -> None:
+    """Load, run, measure, report (see the module docstring)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--hidden", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--ratio", type=float, default=0.5)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    be = get_backend()
+    dm = be.device_module
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if be.is_accelerator:
+        dm.set_device(local)
+        device = be.device(local)
+        dist.init_process_group(device_id=device)
+    else:
+        device = be.device()
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = args.hidden == 8192
+    cfg = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
+                      intermediate_size=28672 if full else 4 * args.hidden, num_attention_heads=64 if full else 4,
+                      num_key_value_heads=8 if full else 2, vocab_size=128256 if full else 512, rope_theta=500000.0,
+                      max_position_embeddings=8192, use_cache=False)
+    dtype = torch.bfloat16 if be.is_accelerator else torch.float32
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model.eval()
+    pool = torch.randn(POOL, generator=torch.Generator().manual_seed(0)) * 0.02
+    shm_before = system_memory().get("Shmem", 0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    source = CallableSource(weights_fn(pool), identical_across_ranks=True)
+    model = magi_core.load(model, source, OffloadConfig(gpu_resident_weight_ratio=args.ratio),
+                           host_options=HostOptions(progress=False))
+    dist.barrier()
+    load_s = time.perf_counter() - t0
+    shm_after = system_memory().get("Shmem", 0)
+    host = magi_core.handle(model).host
+    ids = torch.randint(0, cfg.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        main_tensor(model(input_ids=ids, logits_to_keep=1))
+        dm.synchronize()
+        first_s = time.perf_counter() - t0
+        for _ in range(3):
+            model(input_ids=ids, logits_to_keep=1)
+        times = []
+        for _ in range(args.steps):
+            dm.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = main_tensor(model(input_ids=ids, logits_to_keep=1))
+            dm.synchronize()
+            times.append(time.perf_counter() - t0)
+    rt = magi_core.handle(model).runtime
+    step = statistics.median(times)
+    streamed = rt.executor.actions.streamed_bytes
+    mine = {"rank": rank, "step_ms": step * 1e3, "first_step_s": first_s, "load_s": load_s,
+            "streamed_bytes": streamed, "resident_bytes": rt.executor.actions.resident_bytes,
+            "link_GBps": rt.bandwidth_Bps / 1e9, "ideal_ms": streamed / rt.bandwidth_Bps * 1e3,
+            "x_ideal": step / (streamed / rt.bandwidth_Bps), "finite": bool(torch.isfinite(out).all()),
+            "load": host.report.get("load"), "node_bytes": host.report.get("node_bytes")}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    weight_bytes = host.weight_bytes
+    doc = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "hardware": dm.get_device_name() if be.is_accelerator else platform.processor(), "gpus": world,
+           "torch": torch.__version__, "magi_core": magi_core.__version__, "layers": args.layers,
+           "hidden": args.hidden, "tokens": args.tokens, "ratio": args.ratio, "weight_bytes": weight_bytes,
+           "shmem_added_bytes": shm_after - shm_before, "shmem_over_weights": (shm_after - shm_before) / weight_bytes,
+           "ranks": everyone, "targets": {"host weights <= 1.02 W": (shm_after - shm_before) <= 1.02 * weight_bytes,
+                                          "step <= 1.02x ideal": all(r["x_ideal"] <= 1.02 for r in everyone)},
+           "command": "MAGI_PIN_CONCURRENCY=2 torchrun --nproc-per-node 2 benchmarks/llama70b_two_gpus.py"}
+    if rank == 0:
+        emit_json(doc, args.out)
+    magi_core.release(model)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
