@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import platform
 import statistics
 import time
@@ -24,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from script_io import emit_json, start_ranks
 
 import magi_core
-from magi_core import get_backend
 from magi_core.bench.measure import main_tensor
 from magi_core.bench.real import REAL_WORKLOADS, real_workload
 from magi_core.bench.workloads import probe_workload
@@ -45,17 +43,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    be = get_backend()
+    be, device, rank, world = start_ranks()
     dm = be.device_module
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if be.is_accelerator:
-        dm.set_device(local)
-        device = be.device(local)
-        dist.init_process_group(device_id=device)
-    else:
-        device = be.device()
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     accel = be.is_accelerator
     hidden = args.hidden or (4096 if accel else 64)
     if args.model in REAL_WORKLOADS:
@@ -117,11 +106,7 @@ def main() -> None:
     res["target"] = ">= 1.6x the single-link rate per GPU with exchange on, outputs identical"
     res["ok"] = all(flags) and all(e["x_single_link_rate"] >= 1.6 for e in res["exchange_on"])
     if rank == 0:
-        text = json.dumps(res, indent=1)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        emit_json(res, args.out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import statistics
 import time
@@ -30,10 +29,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from script_io import emit_json
+from script_io import emit_json, start_ranks
 
 import magi_core
-from magi_core import get_backend
 from magi_core.bench.measure import main_tensor
 from magi_core.config import OffloadConfig
 from magi_core.host import CallableSource, HostOptions
@@ -74,17 +72,8 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    be = get_backend()
+    be, device, rank, world = start_ranks()
     dm = be.device_module
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if be.is_accelerator:
-        dm.set_device(local)
-        device = be.device(local)
-        dist.init_process_group(device_id=device)
-    else:
-        device = be.device()
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     full = args.hidden == 8192
     cfg = LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
                       intermediate_size=28672 if full else 4 * args.hidden, num_attention_heads=64 if full else 4,

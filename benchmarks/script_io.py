@@ -1,9 +1,30 @@
-"""Output shared by the benchmark scripts: print the result document and write it where ``--out`` says."""
+"""What the benchmark scripts share: starting their ranks under torchrun, and printing / writing the result."""
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from magi_core import get_backend
+from magi_core.plugin.facade import Backend
+
+
+def start_ranks() -> tuple[Backend, torch.device, int, int]:
+    """Under torchrun: this rank's device (its ``LOCAL_RANK``-th on an accelerator, with the default process
+    group on it; gloo on the cpu backend); returns (backend, device, rank, world size)."""
+    be = get_backend()
+    if be.is_accelerator:
+        be.device_module.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = be.device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(device_id=device)
+    else:
+        device = be.device()
+        dist.init_process_group("gloo")
+    return be, device, dist.get_rank(), dist.get_world_size()
 
 
 def emit_json(doc: Any, path: str | None) -> None:

@@ -182,14 +182,13 @@ class OffloadExecutor:
         self._batch_events = [event() for _ in actions.batches]
         self._carry_events = {b: event() for b in actions.carry}
         n = self.n_units
-        # positions that issue copies: the host first waits for the unit HOST_LEAD_UNITS before them
-        sync = [-1] * n
-        for u in range(n):
-            if self.transfer.allocates and (actions.issue[u] or (u == actions.carry_unit and actions.carry)):
-                sync[u] = u - HOST_LEAD_UNITS
+        # positions that issue copies: gated on the compute stream; a transfer that allocates per fetch also
+        # makes the host wait for the unit HOST_LEAD_UNITS before them
+        self._gate = tuple(bool(actions.issue[u]) or (u == actions.carry_unit and bool(actions.carry))
+                           for u in range(n))
+        wait = self.transfer.allocates
+        sync = [u - HOST_LEAD_UNITS if copies and wait else -1 for u, copies in enumerate(self._gate)]
         self._sync_before = tuple(sync)
-        carry_unit = actions.carry_unit
-        self._gate = tuple(bool(actions.issue[u]) or (u == carry_unit and bool(actions.carry)) for u in range(n))
         self._record_done = tuple(any(s == u for s in sync) for u in range(n))
         logger.debug(
             "magi offload plan %s: %d resident weights (%d B), %d B streamed per step in %d batches",

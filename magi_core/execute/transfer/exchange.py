@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from magi_core.errors import MagiError
 from magi_core.execute.actions import StepActions, batch_lifetimes
-from magi_core.execute.transfer.unit import WEIGHT_ALIGNMENT, UnitTransfer, _aligned
+from magi_core.execute.transfer.unit import WEIGHT_ALIGNMENT, UnitTransfer, align_up
 from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class ExchangeTransfer(UnitTransfer):
     def _place_bytes(self, sizes: Sequence[int]) -> int:
         """A batch's place, padded so that it splits into one equal, aligned shard per rank."""
         unit = self.world * WEIGHT_ALIGNMENT
-        return -(-sum(_aligned(n) for n in sizes) // unit) * unit
+        return align_up(sum(align_up(n) for n in sizes), unit)
 
     def rate(self, measured_Bps: float) -> float:
         """The slowest rank's rate of exchanging a place of the probe's size (what every rank plans with)."""

@@ -70,7 +70,8 @@ WEIGHT_ALIGNMENT = 256
 BATCH_ALIGNMENT = 512
 
 
-def _aligned(n: int, a: int = WEIGHT_ALIGNMENT) -> int:
+def align_up(n: int, a: int = WEIGHT_ALIGNMENT) -> int:
+    """``n`` rounded up to a multiple of ``a``."""
     return -(-n // a) * a
 
 
@@ -137,7 +138,7 @@ class UnitTransfer(PerTensorTransfer):
 
     def _place_bytes(self, sizes: Sequence[int]) -> int:
         """Bytes of a batch's place for weights of these sizes (each aligned to :data:`WEIGHT_ALIGNMENT`)."""
-        return sum(_aligned(n) for n in sizes)
+        return sum(align_up(n) for n in sizes)
 
     def close(self) -> None:
         """Forget the plan's buffer (after the compute stream's queued work, which may still read it)."""
@@ -210,7 +211,7 @@ class UnitTransfer(PerTensorTransfer):
         for i, h in enumerate(hosts):
             groups.setdefault(h.untyped_storage().data_ptr() if h.numel() else -1 - i, []).append(i)
         spans = {g: plan_span([hosts[i] for i in idx]) for g, idx in groups.items()}
-        need = sum(_aligned(s.host.numel()) if s is not None else sum(_aligned(hosts[i].nbytes) for i in groups[g])
+        need = sum(align_up(s.host.numel()) if s is not None else sum(align_up(hosts[i].nbytes) for i in groups[g])
                    for g, s in spans.items())
         if need > slot.size:
             spans = dict.fromkeys(groups)  # the spans' gaps do not fit: one copy per weight
@@ -223,14 +224,14 @@ class UnitTransfer(PerTensorTransfer):
                 copies.append((self._buffer[at:at + span.host.numel()], span.host))
                 for i, (dtype, size, stride, off) in zip(idx, span.layout, strict=True):
                     views[i] = self._typed_buffer(dtype).as_strided(size, stride, at // dtype.itemsize + off)
-                at = _aligned(at + span.host.numel())
+                at = align_up(at + span.host.numel())
                 continue
             for i in idx:
                 h = hosts[i]
                 v = self._typed_buffer(h.dtype).as_strided(h.shape, h.stride(), at // h.dtype.itemsize)
                 copies.append((v, h))
                 views[i] = v
-                at = _aligned(at + h.nbytes)
+                at = align_up(at + h.nbytes)
         for v in slot.views:
             self._owner.pop(id(v), None)
         slot.views = tuple(v for v in views if v is not None)
