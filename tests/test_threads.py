@@ -20,15 +20,17 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 
-@pytest.mark.parametrize("ratio", [0.0, 0.5])
-def test_first_call_from_many_threads(shm_dir: str, ratio: float) -> None:
+@pytest.mark.parametrize("ratio,transfer", [(0.0, "auto"), (0.5, "auto"), (0.0, "unit")])
+def test_first_call_from_many_threads(shm_dir: str, ratio: float, transfer: str) -> None:
+    # "unit": every step copies into the same planned device buffer (real copies on the CPU too), so steps of
+    # several threads must not overwrite each other's weights
     torch._dynamo.reset()
     model = build_transformer(SPEC)
     xs = [example_input(SPEC, tokens=5, seed=s) for s in range(THREADS)]
     with torch.no_grad():
         refs = [model(x) for x in xs]
     magi_core.offload(model, magi_core.OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=ratio,
-                                                     unit_compiler="eager"))
+                                                     unit_compiler="eager", transfer=transfer))
     errors: list[BaseException] = []
     outs: dict[int, list[torch.Tensor]] = {k: [] for k in range(THREADS)}
     start = threading.Barrier(THREADS)
