@@ -332,3 +332,17 @@ def test_host_call_time_is_the_fastest_call_so_a_busy_host_does_not_inflate_it()
     delays = iter([0.03] * 12 + [0.001] * 8)
     ms = host_call_ms(get_backend(), lambda: time.sleep(next(delays)), calls=20)
     assert 1.0 <= ms < 10.0
+
+
+def test_report_gives_each_document_its_own_plot(cpu_run: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
+    """Several runs of one day on one machine (the parts of a session) each keep their plot."""
+    pytest.importorskip("matplotlib")
+    doc, _ = cpu_run
+    later = {**doc, "env": {**doc["env"], "date": "2026-12-01T03:55:00+00:00"}}
+    same_minute = {**doc, "env": {**doc["env"], "date": "2026-12-01T03:55:40+00:00"}}
+    earlier = {**doc, "env": {**doc["env"], "date": "2026-12-01T01:10:00+00:00"}}
+    files = report.write_report([later, same_minute, earlier], tmp_path / "B.md")
+    pngs = sorted(p.name for p in files if p.suffix == ".png")
+    assert len(pngs) == 3 and len(set(pngs)) == 3, pngs
+    md = (tmp_path / "B.md").read_text()
+    assert all(f"]({name})" in md for name in pngs)

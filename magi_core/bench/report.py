@@ -36,8 +36,23 @@ def human_bytes(n: float | None) -> str:
 
 
 def _slug(doc: dict[str, Any]) -> str:
+    """File-name stem of a document's plot: its start time to the minute and its hardware."""
     hw = re.sub(r"[^A-Za-z0-9]+", "-", doc["env"]["hardware"]).strip("-").lower()[:40]
-    return f"{doc['env']['date'][:10]}-{hw}"
+    when = re.sub(r"[^0-9T]+", "-", doc["env"]["date"][:16]).strip("-")
+    return f"{when}-{hw}"
+
+
+def plot_names(docs: Sequence[dict[str, Any]]) -> list[str]:
+    """One distinct PNG name per document (runs started in the same minute on one kind of hardware get -2, -3)."""
+    names: list[str] = []
+    for d in docs:
+        stem = base = f"bench-{_slug(d)}"
+        n = 1
+        while f"{stem}.png" in names:
+            n += 1
+            stem = f"{base}-{n}"
+        names.append(f"{stem}.png")
+    return names
 
 
 def _status(r: dict[str, Any]) -> str:
@@ -325,7 +340,7 @@ def write_report(docs: Sequence[dict[str, Any]], md_path: Path, plot_dir: Path |
     docs = [analysis.finalize(d) for d in docs]
     docs.sort(key=lambda d: d["env"]["date"], reverse=True)  # newest first ...
     docs.sort(key=lambda d: not d["env"].get("meaningful", False))  # ... accelerator runs before host-only ones
-    plots = [plot(d, plot_dir / f"bench-{_slug(d)}.png") for d in docs]
+    plots = [plot(d, plot_dir / name) for d, name in zip(docs, plot_names(docs), strict=True)]
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(markdown(docs, plots, md_path.parent, exchanges))
     return [md_path] + [p for p in plots if p is not None]
