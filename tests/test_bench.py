@@ -189,6 +189,20 @@ def test_analysis_ideal_ratio_and_targets() -> None:
     assert "**missed** by 18.8%" in md
 
 
+def test_host_overhead_is_not_estimated_from_a_whole_graph_run() -> None:
+    """Ratio 1 compiled whole is one unit: its host time over the compiled model's is not a per-unit figure."""
+    doc = _doc([
+        {"system": "resident_compiled", "label": "resident_compiled", "step_ms": 4.0, "host_call_ms": 0.5},
+        {"system": "magi", "label": "magi H r=1", "policy": "H", "ratio": 1.0, "step_ms": 4.0, "units": 1,
+         "host_call_ms": 2.5, "resident_bytes": 10**9, "streamed_bytes": 0},
+    ])
+    analysis.finalize(doc)
+    assert "host_overhead_us_per_unit" not in doc["runs"][1]
+    t = {(x["target"], x["scope"]): x for x in doc["targets"]}
+    host = t[("host overhead <= 30 us/unit/step", "m 2048 tok (worst config)")]
+    assert host["status"] == "not measured" and "host_overhead.py" in host["note"], host
+
+
 def _env() -> dict[str, Any]:
     backend = {"name": "b", "device_type": "d", "package": "p", "version": "v"}
     return {"hardware": "test", "date": "2026-01-01T00:00:00+00:00", "meaningful": True, "torch": "t",
