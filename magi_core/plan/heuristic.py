@@ -155,7 +155,7 @@ def heuristic_plan(
     prefetch_at = {i: tuple(v) for i, v in at.items()}
     plan = assemble(policy, profiles, resident, prefetch_at, tuple(next_step), bandwidth_Bps, {"margin_ms": margin_ms})
     if window is None and n > 1:
-        plan = _earlier_carry(plan, profiles, bandwidth_Bps, margin_ms)
+        plan = _earlier_carry(plan, profiles, bandwidth_Bps, margin_ms, fast_bandwidth_Bps)
     return plan
 
 
@@ -163,18 +163,27 @@ def heuristic_plan(
 _EXTRA_CARRIED = 3
 
 
-def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, margin_ms: float) -> Plan:
+def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, margin_ms: float,
+                   fast_bandwidth_Bps: float | None = None) -> Plan:
     """The plan whose next-step copies start earlier in the step, when that shortens the steady step.
 
     Copies for the next step are issued before the last unit by default; when that unit computes less than
     they take to copy (an LM head after a large embedding), the next step's first unit waits. Trying every
     earlier issue position (copies of this step that were triggered later move there, ahead of them) and a
-    few more carried units, keep the shortest predicted step; among equal ones the latest position and the
-    fewest carried units (least memory held across the boundary).
+    few more carried units, keep the shortest predicted step; among equal ones the shortest step at
+    ``fast_bandwidth_Bps`` (the measured rate: at the planning rate, which has the safety factor, a step whose
+    copies and compute are close looks copy-bound, so every carry position predicts the same step and only
+    the measured rate tells them apart), then the latest position and the fewest carried units (least
+    memory held across the boundary).
     """
     n = len(profiles)
     streamed = plan.streamed()
     best = plan
+
+    def fast_step(p: Plan) -> float:
+        return simulate(p, profiles, fast_bandwidth_Bps).step_ms if fast_bandwidth_Bps else 0.0
+
+    best_fast = fast_step(plan)
     base_k = len(plan.next_step)
     for k in range(base_k, min(len(streamed), base_k + _EXTRA_CARRIED) + 1):
         carried = tuple(streamed[:k])
@@ -192,9 +201,14 @@ def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: f
                 step = simulate(draft, profiles, bandwidth_Bps).step_ms
             except ValueError:
                 continue
-            if step < best.predicted_step_ms * (1 - 1e-9) - 1e-9:
+            shorter = step < best.predicted_step_ms * (1 - 1e-9) - 1e-9
+            if not shorter and step <= best.predicted_step_ms * (1 + 1e-9) + 1e-9 and fast_bandwidth_Bps:
+                fast = fast_step(draft)
+                shorter = fast < best_fast * (1 - 1e-9) - 1e-9
+            if shorter:
                 best = assemble(plan.policy, profiles, plan.resident, draft.prefetch_at, carried, bandwidth_Bps,
                                 {"margin_ms": margin_ms}, next_step_at=p)
+                best_fast = fast_step(best)
     return best
 
 
