@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from magi_core.config import OffloadConfig
 from magi_core.errors import ConfigError
-from magi_core.plan import build_plan, simulate
+from magi_core.plan import build_plan, heuristic, simulate
 from magi_core.plan.contract import STEP_START, Plan, UnitProfile, make_profiles
 from magi_core.plan.heuristic import best_step_ms, heuristic_plan
 from magi_core.plan.lookahead import lookahead_plan
@@ -389,24 +389,23 @@ def test_heuristic_plans_many_units_quickly() -> None:
 
 
 def test_heuristic_keeps_the_copy_stream_busy_when_copies_run_faster_than_planned() -> None:
-    # Copies (1 ms each at the measured rate, 1.11 ms at the planning rate) take as long as the compute: a copy
-    # triggered at the latest launch its planned start allows waits for compute whenever copies run at the
-    # measured rate, and the stream idles. With the measured rate known, each copy goes out no later than the
-    # previous one ends at that rate (more copies in flight).
-    profiles = make_profiles([100] * 6, [0.5, 1.3, 0.7, 1.3, 0.7, 1.0])
-    measured, planning = 1e5, 0.9e5
-    late = heuristic_plan(profiles, frozenset(), planning, 0.0)
-    busy = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured)
-    assert all(busy.trigger_of()[j] <= late.trigger_of()[j] for j in range(6))
+    # An LM at ratio 0 whose layers compute a little longer than they copy at the measured rate (8.6 against
+    # 7.9 ms) and less than at the planning rate (8.8 ms, safety factor 0.9): a copy triggered at the latest
+    # launch its planned start allows waits for compute whenever copies run at the measured rate, and the stream
+    # idles. With the measured rate known, each copy goes out no later than the previous one ends at that rate:
+    # earlier triggers, a shorter step at the measured rate, the same at the planning rate (copy-bound there).
+    profiles = _llama_like(8.6)
+    measured, planning = 55.3e3, 0.9 * 55.3e3
+    late = heuristic_plan(profiles, frozenset(), planning, 0.0, carry_search=False)
+    busy = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured, carry_search=False)
+    assert all(busy.trigger_of()[j] <= late.trigger_of()[j] for j in range(len(profiles)))
     assert busy.trigger_of() != late.trigger_of()
-    # shorter at the measured rate; at the planning rate both are the copies' time (600 B at 90 B/ms)
-    assert simulate(busy, profiles, measured).step_ms < simulate(late, profiles, measured).step_ms - 0.1
-    assert simulate(busy, profiles, planning).step_ms <= simulate(late, profiles, planning).step_ms + 1e-9
-    assert simulate(late, profiles, planning).step_ms == pytest.approx(600 / planning * 1e3)
+    assert simulate(busy, profiles, measured).step_ms < 0.98 * simulate(late, profiles, measured).step_ms
+    assert simulate(busy, profiles, planning).step_ms == pytest.approx(simulate(late, profiles, planning).step_ms)
     # compute-bound (copies 1 ms against 12 ms of compute): no reason to hold more copies in flight
     heavy = make_profiles([100] * 6, [2.0] * 6)
-    assert heuristic_plan(heavy, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured).trigger_of() == \
-        heuristic_plan(heavy, frozenset(), planning, 0.0).trigger_of()
+    assert heuristic_plan(heavy, frozenset(), 0.9e5, 0.0, fast_bandwidth_Bps=1e5).trigger_of() == \
+        heuristic_plan(heavy, frozenset(), 0.9e5, 0.0).trigger_of()
 
 
 def _llama_like(layer_compute_ms: float) -> list[UnitProfile]:
@@ -469,8 +468,36 @@ def test_heuristic_carry_chosen_at_the_measured_rate() -> None:
     planning = 0.9 * measured
     copy_ms = sum(p.weight_bytes for p in profiles) / measured * 1e3
     told = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured)
-    blind = heuristic_plan(profiles, frozenset(), planning, 0.0)
+    latest = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured, carry_search=False)
+    blind = heuristic._earlier_carry(latest, profiles, planning, 0.0)  # carry chosen at the planning rate only
     assert told.predicted_step_ms == pytest.approx(blind.predicted_step_ms)  # the same at the planning rate
     assert blind.next_step_at == -1 and told.next_step_at < len(profiles) - 1
     assert simulate(told, profiles, measured).step_ms <= copy_ms * 1.001
     assert simulate(blind, profiles, measured).step_ms >= copy_ms * 1.03
+    assert told.notes["peak_device_bytes"] <= 1.5 * latest.notes["peak_device_bytes"]
+
+
+@given(profiles=profile_lists)
+def test_measured_rate_tie_break_never_costs_time_and_bounds_memory(profiles: list[UnitProfile]) -> None:
+    # Told the measured rate, HEURISTIC's plan is no slower at either rate than the carry chosen at the planning
+    # rate alone, and a carry only the measured rate prefers holds at most 1.5x the latest-trigger plan's bytes.
+    measured, planning = BW, 0.9 * BW
+    latest = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured, carry_search=False)
+    blind = heuristic._earlier_carry(latest, profiles, planning, 0.0) if len(profiles) > 1 else latest
+    told = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured)
+    assert told.predicted_step_ms <= blind.predicted_step_ms * (1 + 1e-9) + 1e-9
+    assert simulate(told, profiles, measured).step_ms <= simulate(blind, profiles, measured).step_ms * (1 + 1e-9) + 1e-9
+    if (told.next_step, told.next_step_at) != (blind.next_step, blind.next_step_at):
+        assert told.notes["peak_device_bytes"] <= 1.5 * latest.notes["peak_device_bytes"] + 1e-9
+
+
+def test_measured_rate_carry_is_not_bought_with_much_more_memory() -> None:
+    # Here carrying two more units from earlier in the step is shorter at the measured rate, but holds 1.6x the
+    # device bytes of the latest-trigger plan: HEURISTIC keeps the carry chosen at the planning rate.
+    profiles = make_profiles([100, 1000, 1000, 1000, 100], [0.0, 3.0, 0.5, 3.0, 10.0])
+    measured, planning = BW, 0.9 * BW
+    latest = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured, carry_search=False)
+    blind = heuristic._earlier_carry(latest, profiles, planning, 0.0)
+    told = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured)
+    assert (told.next_step, told.next_step_at) == (blind.next_step, blind.next_step_at)
+    assert told.notes["peak_device_bytes"] <= 1.5 * latest.notes["peak_device_bytes"]

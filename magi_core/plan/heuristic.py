@@ -101,6 +101,7 @@ def best_step_ms(profiles: Sequence[UnitProfile], resident: frozenset[int], band
 def heuristic_plan(
     profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float, margin_ms: float,
     policy: str = "HEURISTIC", window: int | None = None, fast_bandwidth_Bps: float | None = None,
+    carry_search: bool = True,
 ) -> Plan:
     """Latest-trigger plan for a given resident set (``bandwidth_Bps`` already includes the safety factor).
 
@@ -113,6 +114,9 @@ def heuristic_plan(
     copy triggered at the launch its planned start allows would leave the stream idle whenever copies run
     faster than planned (units then wait for compute, and launches come later than the previous copy's end):
     each copy is then triggered no later than the previous one ends at the fast rate.
+
+    ``carry_search``: False returns the latest-trigger plan without trying earlier next-step copies
+    (:func:`_earlier_carry`).
     """
     n = len(profiles)
     tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
@@ -154,13 +158,17 @@ def heuristic_plan(
                 at[pos].append(j)
     prefetch_at = {i: tuple(v) for i, v in at.items()}
     plan = assemble(policy, profiles, resident, prefetch_at, tuple(next_step), bandwidth_Bps, {"margin_ms": margin_ms})
-    if window is None and n > 1:
+    if window is None and n > 1 and carry_search:
         plan = _earlier_carry(plan, profiles, bandwidth_Bps, margin_ms, fast_bandwidth_Bps)
     return plan
 
 
 #: How many more leading units than the latest-trigger plan carries :func:`_earlier_carry` tries to carry.
 _EXTRA_CARRIED = 3
+#: A carry position that only the measured rate prefers must shorten the step at that rate by this share ...
+_FAST_GAIN = 0.005
+#: ... and hold at most this multiple of the latest-trigger plan's peak device bytes.
+_FAST_PEAK_GROWTH = 1.5
 
 
 def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, margin_ms: float,
@@ -173,8 +181,9 @@ def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: f
     few more carried units, keep the shortest predicted step; among equal ones the shortest step at
     ``fast_bandwidth_Bps`` (the measured rate: at the planning rate, which has the safety factor, a step whose
     copies and compute are close looks copy-bound, so every carry position predicts the same step and only
-    the measured rate tells them apart), then the latest position and the fewest carried units (least
-    memory held across the boundary).
+    the measured rate tells them apart) when it is :data:`_FAST_GAIN` shorter there and holds at most
+    :data:`_FAST_PEAK_GROWTH` times the device bytes, then the latest position and the fewest carried units
+    (least memory held across the boundary).
     """
     n = len(profiles)
     streamed = plan.streamed()
@@ -184,6 +193,7 @@ def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: f
         return simulate(p, profiles, fast_bandwidth_Bps).step_ms if fast_bandwidth_Bps else 0.0
 
     best_fast = fast_step(plan)
+    base_peak = plan.notes["peak_device_bytes"]
     base_k = len(plan.next_step)
     for k in range(base_k, min(len(streamed), base_k + _EXTRA_CARRIED) + 1):
         carried = tuple(streamed[:k])
@@ -202,12 +212,13 @@ def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: f
             except ValueError:
                 continue
             shorter = step < best.predicted_step_ms * (1 - 1e-9) - 1e-9
-            if not shorter and step <= best.predicted_step_ms * (1 + 1e-9) + 1e-9 and fast_bandwidth_Bps:
-                fast = fast_step(draft)
-                shorter = fast < best_fast * (1 - 1e-9) - 1e-9
-            if shorter:
-                best = assemble(plan.policy, profiles, plan.resident, draft.prefetch_at, carried, bandwidth_Bps,
-                                {"margin_ms": margin_ms}, next_step_at=p)
+            if shorter or (fast_bandwidth_Bps and step <= best.predicted_step_ms * (1 + 1e-9) + 1e-9
+                           and fast_step(draft) < best_fast * (1 - _FAST_GAIN)):
+                candidate = assemble(plan.policy, profiles, plan.resident, draft.prefetch_at, carried, bandwidth_Bps,
+                                     {"margin_ms": margin_ms}, next_step_at=p)
+                if not shorter and candidate.notes["peak_device_bytes"] > _FAST_PEAK_GROWTH * base_peak:
+                    continue
+                best = candidate
                 best_fast = fast_step(best)
     return best
 
