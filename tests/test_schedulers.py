@@ -501,3 +501,23 @@ def test_measured_rate_carry_is_not_bought_with_much_more_memory() -> None:
     told = heuristic_plan(profiles, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured)
     assert (told.next_step, told.next_step_at) == (blind.next_step, blind.next_step_at)
     assert told.notes["peak_device_bytes"] <= 1.5 * latest.notes["peak_device_bytes"]
+
+
+def test_busy_rule_dropped_where_it_buys_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Copy-bound at both rates (layers compute 1.45 ms against 7.9 ms of copy): the stream is busy without the
+    # rule, so HEURISTIC does not hold the extra copies in flight (measured on the H200 at 2048 tokens: the
+    # same 291 ms with 0.95 GB less buffer). Where copies and compute are close, it keeps the rule.
+    measured, planning = 55.3e3, 0.9 * 55.3e3
+    light = _llama_like(1.45)
+    plan = heuristic_plan(light, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured)
+    plain = heuristic_plan(light, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured, busy_rule=False)
+    assert plan.trigger_of() == plain.trigger_of()
+    with monkeypatch.context() as m:
+        m.setattr(heuristic, "_FAST_GAIN", -1.0)  # keep the rule whatever it buys
+        kept_anyway = heuristic_plan(light, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured)
+    assert simulate(plan, light, measured).step_ms == pytest.approx(simulate(kept_anyway, light, measured).step_ms)
+    assert plan.notes["peak_device_bytes"] < kept_anyway.notes["peak_device_bytes"]
+    balanced = _llama_like(8.6)
+    kept = heuristic_plan(balanced, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured)
+    without = heuristic_plan(balanced, frozenset(), planning, 0.0, fast_bandwidth_Bps=measured, busy_rule=False)
+    assert simulate(kept, balanced, measured).step_ms < 0.98 * simulate(without, balanced, measured).step_ms

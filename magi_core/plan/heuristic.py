@@ -101,7 +101,7 @@ def best_step_ms(profiles: Sequence[UnitProfile], resident: frozenset[int], band
 def heuristic_plan(
     profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float, margin_ms: float,
     policy: str = "HEURISTIC", window: int | None = None, fast_bandwidth_Bps: float | None = None,
-    carry_search: bool = True,
+    carry_search: bool = True, busy_rule: bool = True,
 ) -> Plan:
     """Latest-trigger plan for a given resident set (``bandwidth_Bps`` already includes the safety factor).
 
@@ -115,6 +115,10 @@ def heuristic_plan(
     faster than planned (units then wait for compute, and launches come later than the previous copy's end):
     each copy is then triggered no later than the previous one ends at the fast rate.
 
+    The rule holds more copies in flight, so it is kept only where the step it gives at the measured rate is
+    :data:`_FAST_GAIN` shorter than the plan without it (``busy_rule=False``); on a step that is copy-bound at
+    both rates, for example, the stream is busy either way.
+
     ``carry_search``: False returns the latest-trigger plan without trying earlier next-step copies
     (:func:`_earlier_carry`).
     """
@@ -122,6 +126,7 @@ def heuristic_plan(
     tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
     at: dict[int, list[int]] = {i: [] for i in range(-1, n)}
     next_step: list[int] = []
+    busy = False
     if n:
         if window is None:
             tl = _earliest(profiles, resident, tms)
@@ -134,12 +139,13 @@ def heuristic_plan(
             deadline = max(tl.start[j] - margin_ms, tl.copy_end[j])
             latest_start[j] = min(deadline, next_start) - tms[j]
             next_start = latest_start[j]
-        if fast_bandwidth_Bps is not None and window is None and tl.streamed:
+        if fast_bandwidth_Bps is not None and window is None and tl.streamed and busy_rule:
             fast = [transfer_ms(p.weight_bytes, fast_bandwidth_Bps) for p in profiles]
             if sum(fast[j] for j in tl.streamed) >= BUSY_SHARE * sum(p.compute_ms for p in profiles):
                 tf = _earliest(profiles, resident, fast)
                 for prev, j in zip(tl.streamed, tl.streamed[1:], strict=False):
                     latest_start[j] = min(latest_start[j], tf.copy_end[prev])
+                busy = True
         # launch time of each position: previous step's last unit, step start, then unit i at end of i-1
         launch = {_PREVIOUS_STEP: -profiles[n - 1].compute_ms, STEP_START: 0.0}
         for i in range(n):
@@ -160,6 +166,13 @@ def heuristic_plan(
     plan = assemble(policy, profiles, resident, prefetch_at, tuple(next_step), bandwidth_Bps, {"margin_ms": margin_ms})
     if window is None and n > 1 and carry_search:
         plan = _earlier_carry(plan, profiles, bandwidth_Bps, margin_ms, fast_bandwidth_Bps)
+    if busy and fast_bandwidth_Bps is not None:
+        plain = heuristic_plan(profiles, resident, bandwidth_Bps, margin_ms, policy, window, fast_bandwidth_Bps,
+                               carry_search, busy_rule=False)
+        if (plain.predicted_step_ms <= plan.predicted_step_ms * (1 + 1e-9) + 1e-9
+                and simulate(plan, profiles, fast_bandwidth_Bps).step_ms
+                > simulate(plain, profiles, fast_bandwidth_Bps).step_ms * (1 - _FAST_GAIN)):
+            return plain
     return plan
 
 
