@@ -39,3 +39,23 @@ def test_host_overhead_reports_every_figure(tmp_path: Path) -> None:
         assert isinstance(doc[key], float), key
     assert 0.0 <= doc["ratio0_blocked_us"] <= doc["ratio0_call_us"]
     assert len(doc["per_unit"]) == 4 and doc["cprofile_ratio1_top"]
+
+
+def test_first_step_vs_peers_loads_the_same_model_everywhere(tmp_path: Path) -> None:
+    import pytest
+
+    pytest.importorskip("diffusers")
+    pytest.importorskip("accelerate")
+    ckpt = tmp_path / "ckpt"
+    doc = _script("first_step_vs_peers", tmp_path, "--model", "wan14b", "--dir", str(ckpt))
+    rows = {r["system"]: r for r in doc["rows"]}
+    assert set(rows) == {"magi", "diffusers", "accelerate"}, doc["rows"]
+    assert all(r["status"] == "ok" for r in rows.values()), doc["rows"]
+    # every loader gives the model the same weights and the same output (float32 on the host)
+    assert all(r["max_rel_err_vs_magi"] == 0.0 for r in rows.values())
+    weights = rows["magi"]["weight_bytes"]
+    assert weights > 0 and all(r["weight_bytes"] == weights for r in rows.values())
+    assert rows["magi"]["shm_weight_bytes"] >= weights and rows["diffusers"]["shm_weight_bytes"] == 0
+    assert all(0 < r["seconds_to_loaded"] <= r["seconds_to_first_output"] for r in rows.values())
+    assert doc["checkpoint_bytes"] > 0 and not doc["meaningful"]
+    assert not list(ckpt.glob(".first-step-*"))  # the outputs compared are removed

@@ -1,0 +1,232 @@
+"""Time to first step and host memory when a checkpoint is loaded for offloaded inference: magi-core against the
+loaders users would otherwise reach for, each system in a process of its own.
+
+    python benchmarks/first_step_vs_peers.py --model wan14b --tokens 2184 --dir /var/tmp/wan-ckpt --out out.json
+
+``--model wan14b`` (diffusers ``WanTransformer3DModel``) or ``llama8b`` (transformers ``LlamaForCausalLM``), the
+bench's real workloads (``--layers`` blocks; full size in bf16 on an accelerator, tiny in float32 on the host).
+The checkpoint is written once into ``--dir`` with the library's own ``save_pretrained`` (random weights), then
+read from the page cache (warmed first) by:
+
+``magi``        the model built on the meta device, ``magi_core.load(model, dir)`` (straight into the shared
+                host arena, pinned), ``OffloadConfig(gpu_resident_weight_ratio=0)``
+``diffusers``   (wan14b) ``from_pretrained(dir, torch_dtype=...)`` then ``enable_group_offload`` at block level,
+                one block per group, with a copy stream on an accelerator
+``accelerate``  ``init_empty_weights`` + ``load_checkpoint_and_dispatch`` with every weight on the CPU and the
+                accelerator as execution device (its CPU offload)
+
+For each: seconds to the first step's output (load, set-up, compilation where there is one), the second step,
+the process's peak resident memory (VmHWM), the peak anonymous memory sampled every millisecond, and the bytes in
+shared memory (magi's arena). One JSON document with hardware, versions and date; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SYSTEMS = ("magi", "diffusers", "accelerate")
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _AnonPeak:
+    """The largest anonymous memory of this process, sampled every millisecond in a thread."""
+
+    def __init__(self) -> None:
+        from magi_core.host.memstat import anonymous_bytes
+
+        self._read = anonymous_bytes
+        self.peak = self._read()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._read())
+            time.sleep(0.001)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return max(self.peak, self._read())
+
+
+def _workload(args: argparse.Namespace) -> Any:
+    from magi_core import get_backend
+    from magi_core.bench.real import real_workload
+
+    accel = get_backend().is_accelerator
+    return real_workload(args.model, torch.bfloat16 if accel else torch.float32, "full" if accel else "tiny",
+                         args.layers)
+
+
+def write_checkpoint(args: argparse.Namespace) -> int:
+    """Save the workload's model with its library's ``save_pretrained`` into ``args.dir``; its bytes on disk."""
+    wl = _workload(args)
+    model = wl.fresh()
+    model.save_pretrained(args.dir, safe_serialization=True)
+    wl.release()
+    return sum(p.stat().st_size for p in Path(args.dir).glob("*.safetensors"))
+
+
+def _meta_model(wl: Any) -> torch.nn.Module:
+    """The workload's model on the meta device, each parameter in the dtype ``from_pretrained`` would give it."""
+    with torch.device("meta"):
+        model = wl.build()
+    for name, p in model.named_parameters():
+        p.data = p.data.to(wl.dtype_of(name))
+    return model.eval()
+
+
+def run_system(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One system: load from ``args.dir``, two steps; its timings and memory."""
+    import magi_core
+
+    backend = magi_core.get_backend()
+    dm = backend.device_module
+    device = backend.device()
+    wl = _workload(args)
+    call_args, call_kwargs = wl.make_inputs(args.tokens, device)
+    anon0 = _AnonPeak()
+    anon_base = anon0.peak
+    t0 = time.perf_counter()
+    if system == "magi":
+        model = magi_core.load(_meta_model(wl), args.dir, magi_core.OffloadConfig(gpu_resident_weight_ratio=0.0))
+    elif system == "diffusers":
+        if args.model != "wan14b":
+            raise SystemExit("diffusers loads diffusers models: use --model wan14b")
+        from diffusers import WanTransformer3DModel
+
+        model = WanTransformer3DModel.from_pretrained(args.dir, torch_dtype=wl.dtype).eval()
+        stream = backend.is_accelerator
+        model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                   offload_type="block_level", num_blocks_per_group=1, use_stream=stream,
+                                   record_stream=stream)
+    elif system == "accelerate":
+        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+        with init_empty_weights():
+            model = wl.build()
+        index = sorted(Path(args.dir).glob("*.safetensors.index.json"))
+        shards = sorted(Path(args.dir).glob("*.safetensors"))
+        ckpt = str(index[0] if index else shards[0])  # accelerate finds only transformers' file names in a folder
+        model = load_checkpoint_and_dispatch(model, ckpt, device_map={"": "cpu"}, dtype=wl.dtype).eval()
+        if backend.is_accelerator:
+            from accelerate import cpu_offload
+
+            cpu_offload(model, execution_device=device)
+    else:
+        raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    loaded = time.perf_counter() - t0
+    steps = []
+    with torch.no_grad():
+        for _ in range(2):
+            s = time.perf_counter()
+            out = model(*call_args, **call_kwargs)
+            dm.synchronize()
+            steps.append(time.perf_counter() - s)
+    out = out[0] if isinstance(out, tuple) else getattr(out, "sample", getattr(out, "logits", out))
+    if args.output is not None:
+        torch.save(out.detach().float().cpu(), args.output)
+    first = time.perf_counter() - t0
+    anon_peak = anon0.stop()
+    shm = 0
+    if system == "magi":
+        shm = int(magi_core.handle(model).host.weight_bytes)
+    return {"system": system, "seconds_to_loaded": loaded, "seconds_to_first_output": loaded + steps[0],
+            "first_step_s": steps[0], "second_step_s": steps[1], "wall_s": first,
+            "peak_rss_bytes": _status_kb("VmHWM"), "anon_peak_extra_bytes": anon_peak - anon_base,
+            "shm_weight_bytes": shm,
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def main() -> int:
+    """Write the checkpoint if needed, run each system in a fresh process, print or write the JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="wan14b", choices=("wan14b", "llama8b"))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=None, help="default: the workload's smallest token count")
+    ap.add_argument("--dir", required=True, help="checkpoint directory (written there when it holds none)")
+    ap.add_argument("--systems", default=None, help="comma list (default: magi and the model's peers)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--output", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.tokens is None:
+        args.tokens = min(_workload(args).tokens)
+    if args.worker is not None:
+        print(json.dumps(run_system(args.worker, args)))
+        return 0
+    os.makedirs(args.dir, exist_ok=True)
+    if not list(Path(args.dir).glob("*.safetensors")):
+        write_checkpoint(args)
+    files = sorted(Path(args.dir).glob("*.safetensors"))
+    for f in files:  # warm the page cache: every system then reads the same hot files
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(64 << 20):
+                pass
+    default = ("magi", "diffusers", "accelerate") if args.model == "wan14b" else ("magi", "accelerate")
+    systems = args.systems.split(",") if args.systems else list(default)
+    rows = []
+    outputs: dict[str, torch.Tensor] = {}
+    for system in systems:
+        out_file = os.path.join(args.dir, f".first-step-{system}.pt")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--model", args.model,
+               "--dir", args.dir, "--tokens", str(args.tokens), "--output", out_file]
+        if args.layers is not None:
+            cmd += ["--layers", str(args.layers)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            rows.append({"system": system, "status": "failed", "reason": proc.stderr.strip()[-800:]})
+            continue
+        row = {**json.loads(lines[-1]), "status": "ok"}
+        outputs[system] = torch.load(out_file)
+        os.unlink(out_file)
+        ref = outputs[systems[0]]
+        if system in outputs and systems[0] in outputs:
+            row["max_rel_err_vs_" + systems[0]] = float((outputs[system] - ref).abs().max() / ref.abs().max())
+        rows.append(row)
+    import magi_core
+    from magi_core.bench.measure import cpu_name
+
+    backend = magi_core.get_backend()
+    dm = backend.device_module
+    accel = backend.is_accelerator
+    doc = {
+        "what": "time to first step and host memory: magi_core.load against the peers' loaders, one process each",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "hardware": dm.get_device_name() if accel and hasattr(dm, "get_device_name") else cpu_name(),
+        "cpu": cpu_name(), "torch": torch.__version__, "python": platform.python_version(),
+        "magi_core": magi_core.__version__, "model": args.model, "layers": args.layers, "tokens": args.tokens,
+        "checkpoint_bytes": sum(f.stat().st_size for f in files), "meaningful": accel,
+        "command": " ".join(["python", "benchmarks/first_step_vs_peers.py", *sys.argv[1:]]), "rows": rows,
+    }
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
