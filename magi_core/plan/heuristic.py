@@ -122,11 +122,41 @@ def heuristic_plan(
     ``carry_search``: False returns the latest-trigger plan without trying earlier next-step copies
     (:func:`_earlier_carry`).
     """
+    if busy_rule and fast_bandwidth_Bps is not None and window is None and profiles:
+        streamed = streamed_units(profiles, resident)
+        floor = _fast_floor(profiles, streamed, fast_bandwidth_Bps)
+        copy_ms = sum(transfer_ms(profiles[j].weight_bytes, fast_bandwidth_Bps) for j in streamed)
+        if streamed and copy_ms >= BUSY_SHARE * sum(p.compute_ms for p in profiles):
+            plain = _trigger_plan(profiles, resident, bandwidth_Bps, margin_ms, policy, window, fast_bandwidth_Bps,
+                                  carry_search, busy=False)
+            plain_fast = simulate(plain, profiles, fast_bandwidth_Bps).step_ms
+            if plain_fast <= floor * (1 + _FAST_GAIN):
+                return plain  # at the bound already: the rule cannot pay for its copies in flight
+            plan = _trigger_plan(profiles, resident, bandwidth_Bps, margin_ms, policy, window, fast_bandwidth_Bps,
+                                 carry_search, busy=True)
+            if (plain.predicted_step_ms <= plan.predicted_step_ms * (1 + 1e-9) + 1e-9
+                    and simulate(plan, profiles, fast_bandwidth_Bps).step_ms > plain_fast * (1 - _FAST_GAIN)):
+                return plain
+            return plan
+    return _trigger_plan(profiles, resident, bandwidth_Bps, margin_ms, policy, window, fast_bandwidth_Bps,
+                         carry_search, busy=False)
+
+
+def _fast_floor(profiles: Sequence[UnitProfile], streamed: Sequence[int], fast_bandwidth_Bps: float) -> float:
+    """No step is shorter than its compute or than its copies at the measured rate."""
+    return max(sum(p.compute_ms for p in profiles),
+               sum(transfer_ms(profiles[j].weight_bytes, fast_bandwidth_Bps) for j in streamed))
+
+
+def _trigger_plan(
+    profiles: Sequence[UnitProfile], resident: frozenset[int], bandwidth_Bps: float, margin_ms: float,
+    policy: str, window: int | None, fast_bandwidth_Bps: float | None, carry_search: bool, busy: bool,
+) -> Plan:
+    """:func:`heuristic_plan` with the busy-stream rule on or off (``busy``)."""
     n = len(profiles)
     tms = [transfer_ms(p.weight_bytes, bandwidth_Bps) for p in profiles]
     at: dict[int, list[int]] = {i: [] for i in range(-1, n)}
     next_step: list[int] = []
-    busy = False
     if n:
         if window is None:
             tl = _earliest(profiles, resident, tms)
@@ -139,13 +169,10 @@ def heuristic_plan(
             deadline = max(tl.start[j] - margin_ms, tl.copy_end[j])
             latest_start[j] = min(deadline, next_start) - tms[j]
             next_start = latest_start[j]
-        if fast_bandwidth_Bps is not None and window is None and tl.streamed and busy_rule:
-            fast = [transfer_ms(p.weight_bytes, fast_bandwidth_Bps) for p in profiles]
-            if sum(fast[j] for j in tl.streamed) >= BUSY_SHARE * sum(p.compute_ms for p in profiles):
-                tf = _earliest(profiles, resident, fast)
-                for prev, j in zip(tl.streamed, tl.streamed[1:], strict=False):
-                    latest_start[j] = min(latest_start[j], tf.copy_end[prev])
-                busy = True
+        if busy and fast_bandwidth_Bps is not None and window is None and tl.streamed:
+            tf = _earliest(profiles, resident, [transfer_ms(p.weight_bytes, fast_bandwidth_Bps) for p in profiles])
+            for prev, j in zip(tl.streamed, tl.streamed[1:], strict=False):
+                latest_start[j] = min(latest_start[j], tf.copy_end[prev])
         # launch time of each position: previous step's last unit, step start, then unit i at end of i-1
         launch = {_PREVIOUS_STEP: -profiles[n - 1].compute_ms, STEP_START: 0.0}
         for i in range(n):
@@ -166,13 +193,6 @@ def heuristic_plan(
     plan = assemble(policy, profiles, resident, prefetch_at, tuple(next_step), bandwidth_Bps, {"margin_ms": margin_ms})
     if window is None and n > 1 and carry_search:
         plan = _earlier_carry(plan, profiles, bandwidth_Bps, margin_ms, fast_bandwidth_Bps)
-    if busy and fast_bandwidth_Bps is not None:
-        plain = heuristic_plan(profiles, resident, bandwidth_Bps, margin_ms, policy, window, fast_bandwidth_Bps,
-                               carry_search, busy_rule=False)
-        if (plain.predicted_step_ms <= plan.predicted_step_ms * (1 + 1e-9) + 1e-9
-                and simulate(plan, profiles, fast_bandwidth_Bps).step_ms
-                > simulate(plain, profiles, fast_bandwidth_Bps).step_ms * (1 - _FAST_GAIN)):
-            return plain
     return plan
 
 
@@ -206,6 +226,9 @@ def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: f
         return simulate(p, profiles, fast_bandwidth_Bps).step_ms if fast_bandwidth_Bps else 0.0
 
     best_fast = fast_step(plan)
+    # no carry makes the step shorter than its compute or its copies at the measured rate: once the best is
+    # within _FAST_GAIN of that, the measured rate has nothing left to choose
+    floor = _fast_floor(profiles, streamed, fast_bandwidth_Bps) if fast_bandwidth_Bps else math.inf
     base_peak = plan.notes["peak_device_bytes"]
     base_k = len(plan.next_step)
     for k in range(base_k, min(len(streamed), base_k + _EXTRA_CARRIED) + 1):
@@ -225,7 +248,8 @@ def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: f
             except ValueError:
                 continue
             shorter = step < best.predicted_step_ms * (1 - 1e-9) - 1e-9
-            if shorter or (fast_bandwidth_Bps and step <= best.predicted_step_ms * (1 + 1e-9) + 1e-9
+            if shorter or (fast_bandwidth_Bps and best_fast > floor * (1 + _FAST_GAIN)
+                           and step <= best.predicted_step_ms * (1 + 1e-9) + 1e-9
                            and fast_step(draft) < best_fast * (1 - _FAST_GAIN)):
                 candidate = assemble(plan.policy, profiles, plan.resident, draft.prefetch_at, carried, bandwidth_Bps,
                                      {"margin_ms": margin_ms}, next_step_at=p)
