@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|load|first-step|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset).
@@ -54,6 +54,29 @@ if [ "$what" = bench-parts ]; then
   wait
   python3 benchmarks/report.py --merge "$OUT/$day-merged.json" "$OUT"/part-*.json --md "$OUT/BENCHMARKS.md" \
     > "$OUT/merge.log" 2>&1 || rc=1
+fi
+# the real-model grid of the performance issue, in parts that each fit one 10-minute device call (carry the
+# diffusers wheel in .whl for wan14b); merge the parts with benchmarks/report.py --merge
+if [ "$what" = real-llama ]; then
+  python3 -m magi_core bench --models llama8b --tokens 8192,16384 --grid full --ratios 0,0.5 --budgets 0.5 \
+    --systems resident_compiled,magi --no-overhead-probe --time-budget "${MAGI_BENCH_BUDGET:-380}" \
+    --out "$OUT/part-llama8b-8192-16384.json" 2>&1 | tail -n 40 || rc=1
+fi
+if [ "$what" = real-wan ]; then
+  python3 -m magi_core bench --models wan14b --tokens 2184,16380 --grid full --ratios 0,0.5,1 --budgets 0.5 \
+    --time-budget "${MAGI_BENCH_BUDGET:-480}" --out "$OUT/part-wan14b-2184-16380.json" 2>&1 | tail -n 40 || rc=1
+fi
+if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate against the page cache
+  ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/load-rate
+  python3 benchmarks/load_rate.py --layers 32 --hidden 4096 --ffn 14336 --vocab 128256 --repeats 1 --pin \
+    --dir "$ck" --out "$OUT/load-rate-8b.json" 2>&1 | tail -n 5 || rc=1
+  rm -rf "$ck"
+fi
+if [ "$what" = first-step ]; then  # time to the first offloaded step against diffusers and accelerate
+  ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/wan14b
+  python3 benchmarks/first_step_vs_peers.py --model wan14b --dir "$ck" --out "$OUT/first-step-wan14b.json" \
+    2>&1 | tail -n 5 || rc=1
+  rm -rf "$ck"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
