@@ -107,3 +107,21 @@ def test_exchange_results_get_their_own_section() -> None:
     text = "\n".join(exchange_markdown([doc, {**doc, "ok": False, "outputs_identical": [True, False]}]))
     assert text.count("| 0 | on | 60.000 | 100.0 | 1.85 | 12 |") == 2
     assert "**met**" in text and "**missed**" in text and "per-rank path: False" in text
+
+
+def test_merge_keeps_every_parts_token_counts_and_their_regimes() -> None:
+    # parts that ran one model at different token counts: the merged document knows each count's regime, so the
+    # balanced count is held to the balanced target
+    a = _part([_run("resident_compiled", 4.0)], bw=100.0, date="2026-01-01T00:00:05+00:00")
+    b = _part([_run("resident_compiled", 9.0, tokens=8192),
+               _run("magi", 10.1, policy="H", ratio=0.0, label="magi H r=0", tokens=8192)],
+              bw=100.0, date="2026-01-01T00:00:06+00:00")
+    a["workloads"]["m"]["tokens"] = {"2048": {"regime_h200": "transfer-bound"}}
+    b["workloads"]["m"]["tokens"] = {"8192": {"regime_h200": "balanced"}}
+    doc = merge([a, b])
+    assert doc["workloads"]["m"]["tokens"] == {"2048": {"regime_h200": "transfer-bound"},
+                                               "8192": {"regime_h200": "balanced"}}
+    analysis.finalize(doc)
+    step = [t for t in doc["targets"] if t["scope"].startswith("m 8192 tok, H")]
+    assert step and step[0]["target"] == "step <= 1.02x ideal" and step[0]["status"] == "met", step
+    assert a["workloads"]["m"]["tokens"] == {"2048": {"regime_h200": "transfer-bound"}}, "the parts are not modified"

@@ -247,6 +247,10 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for name, w in d["workloads"].items():
             if name not in out["workloads"] or out["workloads"][name].get("status") == "skipped":
                 out["workloads"][name] = copy.deepcopy(w)  # a part that built the model beats one that skipped it
+            elif isinstance(w.get("tokens"), dict):  # parts that ran other token counts add what those are
+                have = out["workloads"][name].setdefault("tokens", {})
+                for t, info in w["tokens"].items():
+                    have.setdefault(t, copy.deepcopy(info))
         out["notes"] += [n for n in d.get("notes", []) if n not in out["notes"]]
         for r in d["runs"]:
             r = {k: v for k, v in copy.deepcopy(r).items() if k not in DERIVED}
