@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from magi_core.config import OffloadConfig
@@ -455,6 +455,35 @@ def test_steady_step_bounds_hold_for_early_carries(profiles: list[UnitProfile], 
     step = simulate(draft, profiles, BW).step_ms
     compute_ms = sum(p.compute_ms for p in profiles)
     copy_ms = sum(profiles[u].weight_bytes for u in streamed) / BW * 1e3
+    assert max(compute_ms, copy_ms) - 1e-6 <= step <= compute_ms + copy_ms + 1e-6
+
+
+#: LM-shaped profiles: a large embedding and head that compute little around equal layers (the shape whose carry
+#: across calls matters), bytes per ms as in ``_llama_like``.
+lm_profiles = st.builds(
+    lambda layers, embed, layer, compute, head: make_profiles([embed] + [layer] * layers + [embed],
+                                                              [0.3] + [compute] * layers + [head]),
+    st.integers(2, 24), st.sampled_from([300, 1050, 2000]), st.sampled_from([150, 436, 700]),
+    st.sampled_from([1.0, 6.0, 7.5, 8.0, 8.6, 9.0, 12.0]), st.sampled_from([0.0, 0.3, 3.0]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(profiles=lm_profiles, data=st.data())
+def test_steady_step_bounds_hold_for_early_carries_on_lm_shapes(profiles: list[UnitProfile],
+                                                                 data: st.DataObject) -> None:
+    bw = 55.3e3
+    base = lookahead_plan("BASE", profiles, frozenset(), data.draw(st.integers(1, 3)), bw)
+    streamed = base.streamed()
+    k = data.draw(st.integers(1, 3))
+    draft = _carry_draft(base, k, data.draw(st.integers(k, len(profiles) - 1)))
+    try:
+        draft.validate(profiles)
+    except ValueError:
+        return
+    step = simulate(draft, profiles, bw).step_ms
+    compute_ms = sum(p.compute_ms for p in profiles)
+    copy_ms = sum(profiles[u].weight_bytes for u in streamed) / bw * 1e3
     assert max(compute_ms, copy_ms) - 1e-6 <= step <= compute_ms + copy_ms + 1e-6
 
 

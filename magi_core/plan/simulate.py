@@ -59,21 +59,24 @@ def simulate(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, 
     at = plan.carry_position(n)
     if not (steady and plan.next_step):
         return _run(plan, profiles, tms, at, None).result
-    run = _run(plan, profiles, tms, at, (-sum(p.compute_ms for p in profiles[at:]),) * 2)
+    carried = (-sum(p.compute_ms for p in profiles[at:]),) * 2
+    run = _run(plan, profiles, tms, at, carried)
     for _ in range(_STEADY_PASSES):
         step = run.result.step_ms
         regular_end = max((e for j, e in run.result.copy_end_ms.items() if j not in plan.next_step),
                           default=-math.inf)
         t0 = run.launch_ms[at] - step
-        run = _run(plan, profiles, tms, at, (t0, max(t0, regular_end - step)))
-        if abs(run.result.step_ms - step) <= _STEADY_TOLERANCE_MS:
-            break
+        following = (t0, max(t0, regular_end - step))  # what this step hands the next one
+        if all(abs(a - b) <= _STEADY_TOLERANCE_MS for a, b in zip(following, carried, strict=True)):
+            break  # the step it was given is the step it hands on: the steady state
+        carried = following
+        run = _run(plan, profiles, tms, at, carried)
     return run.result
 
 
 #: Passes of the steady-state iteration (it settles in a few; each pass is one walk over the units).
 _STEADY_PASSES = 64
-#: Step-time change below which the steady state counts as reached.
+#: Change of the carried copies' issue and start times below which the steady state counts as reached.
 _STEADY_TOLERANCE_MS = 1e-6
 
 
