@@ -437,13 +437,14 @@ def test_steady_step_is_never_shorter_than_its_copies() -> None:
     assert simulate(draft, profiles, bw).step_ms >= copy_ms - 1e-6
 
 
-@given(profiles=profile_lists, data=st.data())
-def test_steady_step_bounds_hold_for_early_carries(profiles: list[UnitProfile], data: st.DataObject) -> None:
-    base = lookahead_plan("BASE", profiles, frozenset(), data.draw(st.integers(1, 3)), BW)
+def _early_carry_within_bounds(profiles: list[UnitProfile], data: st.DataObject, bw: float) -> None:
+    """A look-ahead plan whose first streamed units are carried from a drawn earlier position: its steady step is
+    no shorter than its compute or its copies, and no longer than both one after the other."""
+    base = lookahead_plan("BASE", profiles, frozenset(), data.draw(st.integers(1, 3)), bw)
     streamed = base.streamed()
     if not streamed:
         return
-    k = data.draw(st.integers(1, len(streamed)))
+    k = data.draw(st.integers(1, min(3, len(streamed))))
     latest_use = max(profiles[j].freed_after for j in streamed[:k])
     if latest_use >= len(profiles) - 1:
         return
@@ -452,10 +453,15 @@ def test_steady_step_bounds_hold_for_early_carries(profiles: list[UnitProfile], 
         draft.validate(profiles)
     except ValueError:
         return
-    step = simulate(draft, profiles, BW).step_ms
+    step = simulate(draft, profiles, bw).step_ms
     compute_ms = sum(p.compute_ms for p in profiles)
-    copy_ms = sum(profiles[u].weight_bytes for u in streamed) / BW * 1e3
+    copy_ms = sum(profiles[u].weight_bytes for u in streamed) / bw * 1e3
     assert max(compute_ms, copy_ms) - 1e-6 <= step <= compute_ms + copy_ms + 1e-6
+
+
+@given(profiles=profile_lists, data=st.data())
+def test_steady_step_bounds_hold_for_early_carries(profiles: list[UnitProfile], data: st.DataObject) -> None:
+    _early_carry_within_bounds(profiles, data, BW)
 
 
 #: LM-shaped profiles: a large embedding and head that compute little around equal layers (the shape whose carry
@@ -472,19 +478,7 @@ lm_profiles = st.builds(
 @given(profiles=lm_profiles, data=st.data())
 def test_steady_step_bounds_hold_for_early_carries_on_lm_shapes(profiles: list[UnitProfile],
                                                                  data: st.DataObject) -> None:
-    bw = 55.3e3
-    base = lookahead_plan("BASE", profiles, frozenset(), data.draw(st.integers(1, 3)), bw)
-    streamed = base.streamed()
-    k = data.draw(st.integers(1, 3))
-    draft = _carry_draft(base, k, data.draw(st.integers(k, len(profiles) - 1)))
-    try:
-        draft.validate(profiles)
-    except ValueError:
-        return
-    step = simulate(draft, profiles, bw).step_ms
-    compute_ms = sum(p.compute_ms for p in profiles)
-    copy_ms = sum(profiles[u].weight_bytes for u in streamed) / bw * 1e3
-    assert max(compute_ms, copy_ms) - 1e-6 <= step <= compute_ms + copy_ms + 1e-6
+    _early_carry_within_bounds(profiles, data, 55.3e3)
 
 
 def test_heuristic_carry_chosen_at_the_measured_rate() -> None:
