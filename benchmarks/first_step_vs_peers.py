@@ -29,45 +29,16 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from script_io import AnonPeak, emit_json
+
+from magi_core.host.memstat import peak_rss_bytes
 
 SYSTEMS = ("magi", "diffusers", "accelerate")
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class _AnonPeak:
-    """The largest anonymous memory of this process, sampled every millisecond in a thread."""
-
-    def __init__(self) -> None:
-        from magi_core.host.memstat import anonymous_bytes
-
-        self._read = anonymous_bytes
-        self.peak = self._read()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._read())
-            time.sleep(0.001)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        return max(self.peak, self._read())
 
 
 def _workload(args: argparse.Namespace) -> Any:
@@ -97,21 +68,14 @@ def _meta_model(wl: Any) -> torch.nn.Module:
     return model.eval()
 
 
-def run_system(system: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One system: load from ``args.dir``, two steps; its timings and memory."""
+def _load(system: str, args: argparse.Namespace, wl: Any, backend: Any) -> torch.nn.Module:
+    """The model loaded from ``args.dir`` and set up for offloaded inference the way ``system`` does it."""
     import magi_core
 
-    backend = magi_core.get_backend()
-    dm = backend.device_module
     device = backend.device()
-    wl = _workload(args)
-    call_args, call_kwargs = wl.make_inputs(args.tokens, device)
-    anon0 = _AnonPeak()
-    anon_base = anon0.peak
-    t0 = time.perf_counter()
     if system == "magi":
-        model = magi_core.load(_meta_model(wl), args.dir, magi_core.OffloadConfig(gpu_resident_weight_ratio=0.0))
-    elif system == "diffusers":
+        return magi_core.load(_meta_model(wl), args.dir, magi_core.OffloadConfig(gpu_resident_weight_ratio=0.0))
+    if system == "diffusers":
         if args.model != "wan14b":
             raise SystemExit("diffusers loads diffusers models: use --model wan14b")
         from diffusers import WanTransformer3DModel
@@ -121,7 +85,8 @@ def run_system(system: str, args: argparse.Namespace) -> dict[str, Any]:
         model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
                                    offload_type="block_level", num_blocks_per_group=1, use_stream=stream,
                                    record_stream=stream)
-    elif system == "accelerate":
+        return model
+    if system == "accelerate":
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
         with init_empty_weights():
@@ -134,27 +99,37 @@ def run_system(system: str, args: argparse.Namespace) -> dict[str, Any]:
             from accelerate import cpu_offload
 
             cpu_offload(model, execution_device=device)
-    else:
-        raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-    loaded = time.perf_counter() - t0
+        return model
+    raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def run_system(system: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One system: load from ``args.dir``, two steps; its timings and memory."""
+    import magi_core
+
+    backend = magi_core.get_backend()
+    dm = backend.device_module
+    wl = _workload(args)
+    call_args, call_kwargs = wl.make_inputs(args.tokens, backend.device())
     steps = []
-    with torch.no_grad():
-        for _ in range(2):
-            s = time.perf_counter()
-            out = model(*call_args, **call_kwargs)
-            dm.synchronize()
-            steps.append(time.perf_counter() - s)
+    with AnonPeak() as anon:
+        t0 = time.perf_counter()
+        model = _load(system, args, wl, backend)
+        loaded = time.perf_counter() - t0
+        with torch.no_grad():
+            for _ in range(2):
+                s = time.perf_counter()
+                out = model(*call_args, **call_kwargs)
+                dm.synchronize()
+                steps.append(time.perf_counter() - s)
+        first = time.perf_counter() - t0
     out = out[0] if isinstance(out, tuple) else getattr(out, "sample", getattr(out, "logits", out))
     if args.output is not None:
         torch.save(out.detach().float().cpu(), args.output)
-    first = time.perf_counter() - t0
-    anon_peak = anon0.stop()
-    shm = 0
-    if system == "magi":
-        shm = int(magi_core.handle(model).host.weight_bytes)
+    shm = int(magi_core.handle(model).host.weight_bytes) if system == "magi" else 0
     return {"system": system, "seconds_to_loaded": loaded, "seconds_to_first_output": loaded + steps[0],
             "first_step_s": steps[0], "second_step_s": steps[1], "wall_s": first,
-            "peak_rss_bytes": _status_kb("VmHWM"), "anon_peak_extra_bytes": anon_peak - anon_base,
+            "peak_rss_bytes": peak_rss_bytes(), "anon_peak_extra_bytes": anon.extra,
             "shm_weight_bytes": shm,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
@@ -221,10 +196,7 @@ def main() -> int:
         "checkpoint_bytes": sum(f.stat().st_size for f in files), "meaningful": accel,
         "command": " ".join(["python", "benchmarks/first_step_vs_peers.py", *sys.argv[1:]]), "rows": rows,
     }
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    emit_json(doc, args.out)
     return 0
 
 

@@ -30,18 +30,17 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from script_io import emit_json
+from script_io import AnonPeak, emit_json
 from torch import nn
 
 from magi_core.bench.measure import cpu_name
 from magi_core.host import HostOptions, materialize
-from magi_core.host.memstat import anonymous_bytes, process_memory
+from magi_core.host.memstat import process_memory
 
 MB = 1 << 20
 
@@ -93,34 +92,6 @@ def _write(path: str, args: argparse.Namespace) -> int:
     return total
 
 
-class _Peak:
-    """The largest anonymous memory above the level at start, sampled every millisecond."""
-
-    def __init__(self) -> None:
-        self.base = anonymous_bytes()
-        self.peak = self.base
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, anonymous_bytes())
-            time.sleep(0.001)
-
-    def __enter__(self) -> _Peak:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, anonymous_bytes())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
-
-
 def _page_cache(path: str) -> tuple[float, int]:
     buf = bytearray(64 * MB)
     view = memoryview(buf)
@@ -154,9 +125,9 @@ def _page_cache_fresh(path: str) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any, _Peak]:
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any, AnonPeak]:
     gc.collect()
-    with _Peak() as peak:
+    with AnonPeak() as peak:
         t0 = time.perf_counter()
         out = fn()
         seconds = time.perf_counter() - t0

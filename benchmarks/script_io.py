@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from magi_core import get_backend
+from magi_core.host.memstat import anonymous_bytes
 from magi_core.plugin.facade import Backend
 
 
@@ -34,3 +37,33 @@ def emit_json(doc: Any, path: str | None) -> None:
         with open(path, "w") as f:
             f.write(text + "\n")
     print(text)
+
+
+class AnonPeak:
+    """The largest anonymous memory of this process above its level at start, sampled every millisecond in a
+    thread while the ``with`` block runs (``extra`` afterwards)."""
+
+    def __init__(self) -> None:
+        self.base = anonymous_bytes()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, anonymous_bytes())
+            time.sleep(0.001)
+
+    def __enter__(self) -> AnonPeak:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, anonymous_bytes())
+
+    @property
+    def extra(self) -> int:
+        """Bytes above the level at start."""
+        return self.peak - self.base

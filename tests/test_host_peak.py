@@ -135,3 +135,18 @@ def test_loading_peak_is_the_staging_window(shm_dir: str, tmp_path: Path) -> Non
     assert conv["staging"] == int(0.04 * conv["weights"])
     assert 0.035 <= conv["extra"] <= 0.05, out  # the staging window (the measurement sees it) and a little more
     assert direct["extra"] <= 0.01, out  # read straight into the arena
+
+
+def test_peak_rss_counts_memory_touched_and_then_freed() -> None:
+    """``peak_rss_bytes`` is the high-water mark: it keeps what a freed buffer took (a fresh process)."""
+    code = textwrap.dedent("""
+        import json, torch
+        from magi_core.host.memstat import peak_rss_bytes, process_memory
+        before = peak_rss_bytes()
+        t = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, every page touched
+        del t
+        print(json.dumps({"before": before, "after": peak_rss_bytes(), "rss": process_memory()["Rss"]}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rec["after"] >= rec["before"] + (60 << 20) and rec["after"] >= rec["rss"] > 0, rec

@@ -28,6 +28,11 @@ def process_memory(pid: int | None = None) -> dict[str, int]:
     return _read_kb(f"/proc/{pid or 'self'}/smaps_rollup", _ROLLUP_KEYS)
 
 
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has had (``VmHWM``: anonymous, file-backed and shared pages)."""
+    return _read_kb("/proc/self/status", ("VmHWM",)).get("VmHWM", 0)
+
+
 def anonymous_bytes() -> int:
     """Anonymous memory of this process (counts private heap pages; not file-backed shared memory)."""
     return process_memory().get("Anonymous", 0)

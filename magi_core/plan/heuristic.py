@@ -124,9 +124,10 @@ def heuristic_plan(
     """
     if busy_rule and fast_bandwidth_Bps is not None and window is None and profiles:
         streamed = streamed_units(profiles, resident)
-        floor = _fast_floor(profiles, streamed, fast_bandwidth_Bps)
+        compute_ms = sum(p.compute_ms for p in profiles)
         copy_ms = sum(transfer_ms(profiles[j].weight_bytes, fast_bandwidth_Bps) for j in streamed)
-        if streamed and copy_ms >= BUSY_SHARE * sum(p.compute_ms for p in profiles):
+        floor = max(compute_ms, copy_ms)  # no step is shorter (see _fast_floor)
+        if streamed and copy_ms >= BUSY_SHARE * compute_ms:
             plain = _trigger_plan(profiles, resident, bandwidth_Bps, margin_ms, policy, window, fast_bandwidth_Bps,
                                   carry_search, busy=False)
             plain_fast = simulate(plain, profiles, fast_bandwidth_Bps).step_ms

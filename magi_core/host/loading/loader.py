@@ -233,13 +233,18 @@ class Loader:
             self.staging.largest = max(self.staging.largest, st.largest)
         return n
 
+    def _write_or_read(self, name: str, view: torch.Tensor, sink: tuple[int, int] | None, st: Staging) -> int:
+        """The source's tensor ``name`` into ``view``: through the arena's file (``sink``: fd, offset) where the
+        source can, else read into the mapping."""
+        if sink is not None:
+            done = self.source.write_to(name, view, sink[0], sink[1], st)
+            if done is not None:
+                return done
+        return self.source.read_into(name, view, st)
+
     def _read(self, src: str, view: torch.Tensor, e: Entry, sink: tuple[int, int] | None, st: Staging) -> int:
         try:
-            if sink is not None:
-                done = self.source.write_to(src, view, sink[0], sink[1], st)
-                if done is not None:
-                    return done
-            return self.source.read_into(src, view, st)
+            return self._write_or_read(src, view, sink, st)
         except MissingTensor:
             self.late_missing.append(e.names[0])
         except ShapeMismatch as exc:
@@ -251,11 +256,7 @@ class Loader:
         """A function source: try the tensor's names in order (tied weights: any of them)."""
         for name in e.names:
             try:
-                if sink is not None:
-                    done = self.source.write_to(name, view, sink[0], sink[1], st)
-                    if done is not None:
-                        return done
-                return self.source.read_into(name, view, st)
+                return self._write_or_read(name, view, sink, st)
             except MissingTensor:
                 continue
             except ShapeMismatch as exc:
