@@ -183,6 +183,7 @@ def main() -> int:
     path = args.dir or tempfile.mkdtemp(prefix="magi-load-rate-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     try:
         if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+            os.makedirs(path, exist_ok=True)
             _write(path, args)
         _page_cache(path)  # warm the page cache
         dtype = getattr(torch, args.dtype)
