@@ -8,12 +8,16 @@ from typing import Any
 import pytest
 import torch
 from helpers.tracking import compile_tracked, compiles, newest
-from test_executor_models import MixedStack, TiedLM, TupleKw
+from test_executor_models import MixedStack, TableStack, TiedLM, TupleKw
 
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
 from magi_core.execute import executor as executor_mod
 from magi_core.execute.residency import RESIDENT
 from magi_core.execute.transfer import PerTensorTransfer
+from magi_core.plan import register_policy, unregister_policy
+from magi_core.plan.common import assemble
+from magi_core.plan.contract import STEP_START
+from magi_core.plan.lookahead import lookahead_plan
 from magi_core.plugin.manager import get_backend
 
 POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
@@ -279,3 +283,40 @@ def test_everything_resident_compiles_the_graph_whole(transformer):
     for _ in range(3):
         close(g(x), ref)
     assert newest().executor.n_units > 1
+
+
+class _CarryFirstTwo:
+    """A test policy: look-ahead 1, the first two streamed units copied for the next step during the last unit."""
+
+    def plan(self, profiles, bandwidth_Bps, config):  # type: ignore[no-untyped-def]
+        base = lookahead_plan("CARRY_TWO", profiles, frozenset(), 1, bandwidth_Bps)
+        head = tuple(base.streamed()[:2])
+        at = {i: tuple(v for v in vs if v not in head) for i, vs in base.prefetch_at.items()}
+        at[STEP_START] = head + at[STEP_START]
+        return assemble("CARRY_TWO", profiles, frozenset(), at, head, bandwidth_Bps, {})
+
+
+def test_table_every_unit_reads_does_not_keep_its_first_unit_alive():
+    """A small buffer all layers read (a rotary table) is owned by the first layer's unit: that unit's weights are
+    still carried into the next step, the table is not (this step still reads it), and outputs stay exact."""
+    register_policy("carry_two", _CarryFirstTwo)
+    try:
+        model = TableStack().eval()
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = model(x)
+            f = compiled(model, policy="carry_two", gpu_resident_weight_ratio=0.0)
+            for _ in range(5):  # warm-up, the planned step, then steady steps on the carried copies
+                close(f(x), ref)
+    finally:
+        unregister_policy("carry_two")
+    rt = newest()
+    ex = rt.executor
+    table = next(w.input_index for u in ex.units for w in u.weights if w.shape == (64,) and len(w.users) > 2)
+    owner = next(u.index for u in ex.units if any(w.input_index == table for w in u.weights))
+    assert owner in ex.plan.next_step, "the unit owning the table is carried"
+    assert rt.profiles is not None and rt.profiles[owner].last_use is None
+    carried = {w for b in ex.actions.carry for w in ex.actions.batches[b]}
+    own = {w.input_index for w in ex.units[owner].weights} - {table}
+    assert own <= carried and table not in carried
+    assert any(ex.actions.batches[b] == (table,) for b in ex.actions.start)

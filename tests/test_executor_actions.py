@@ -117,3 +117,33 @@ def test_device_branch_detected_in_code_and_warned_at_compile(caplog, monkeypatc
         f(torch.randn(2, 4))
     assert any("device-type branch" in r.getMessage() for r in caplog.records)
     torch._dynamo.reset()
+
+
+# unit 0 owns a big weight (1) and a small table (2) that units 1 and 2 also read
+TABLE_SPEC = [[(1, 1000), (2, 10)], [(3, 1000), (2, 10)], [(4, 1000), (2, 10)]]
+
+
+def test_small_weight_later_units_read_is_its_own_batch_and_never_carried_in_use():
+    us = units(TABLE_SPEC)
+    profiles = unit_profiles(us)
+    assert profiles[0].last_use is None and profiles[0].weight_bytes == 1010  # the table does not keep unit 0
+    p = Plan("T", frozenset(), {-1: (0, 1), 0: (), 1: (2,), 2: ()}, next_step=(0, 1))
+    p.validate(profiles)
+    a = build_actions(us, p)
+    assert a.batches[:2] == ((1,), (3,)) and a.carry == (0, 1)  # the table, read by the last unit, is not carried
+    assert a.start[2:] == (2,) and a.batches[2] == (2,)
+    assert a.free == ((1,), (3,), (2, 4))
+    life = batch_lifetimes(a)
+    assert life[0] == ((0, 1), (4, 5)) and life[2] == ((0, 5),)  # unit 0's place is free after unit 0
+    # without a carry the table is still its own batch, copied with its unit and freed after its last reader
+    a = build_actions(us, Plan("T", frozenset(), {-1: (0,), 0: (1,), 1: (2,), 2: ()}))
+    assert [a.batches[b] for b in a.start] == [(1,), (2,)]
+
+
+def test_weights_later_units_read_keep_their_unit_when_they_are_most_of_it():
+    # a tied embedding: the shared weight is the unit's bulk, so the unit lives until its last reader
+    us = units([[(1, 100), (2, 10)], [(3, 50)], [(1, 100)]])
+    assert unit_profiles(us)[0].last_use == 2
+    # several long-lived weights: left out only while together within MINOR_SHARE of the unit
+    us = units([[(1, 1000), (2, 40), (3, 40)], [(2, 40)], [(3, 40)]])
+    assert unit_profiles(us)[0].last_use == 1  # the one read until unit 2 is dropped; both (8%) would not be

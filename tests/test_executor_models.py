@@ -18,6 +18,32 @@ class Layer(nn.Module):
         return x + torch.tanh(self.lin(x))
 
 
+class TableLayer(nn.Module):
+    """A residual linear layer scaled by a table its caller passes (like a rotary table every block reads)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x) * table)
+
+
+class TableStack(nn.Module):
+    """A small buffer every layer and the head read: owned by the first layer's unit, used until the last unit."""
+
+    def __init__(self, d: int = 64, n: int = 4) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0.5, 1.5, d))
+        self.layers = nn.ModuleList(TableLayer(d) for _ in range(n))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, self.table)
+        return self.head(x * self.table)
+
+
 class Shuffle(nn.Module):
     """A layer without weights."""
 

@@ -25,7 +25,7 @@ def results() -> list[dict]:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(out) == 11, proc.stdout[-2000:]
+    assert len(out) == 12, proc.stdout[-2000:]
     return out
 
 

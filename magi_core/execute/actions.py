@@ -87,23 +87,34 @@ def build_actions(units: list[OffloadUnit], plan: Plan, transfer_bytes: BytesFn 
     batch_unit: list[int] = []
     batch_of: dict[int, int] = {}
 
-    def add(unit: int) -> list[int]:
+    def add(unit: int, before: int | None = None) -> list[int]:
+        """New batches for ``unit``'s weights not yet batched (only those last used before unit ``before``):
+        one per last user, so a weight later units still use keeps only itself alive, not the whole unit."""
         if not 0 <= unit < n:
             return []
-        ws = tuple(dict.fromkeys(w for w in streamed[unit] if w not in batch_of))
-        if not ws:
-            return []
-        b = len(batches)
-        batches.append(ws)
-        batch_unit.append(unit)
-        for w in ws:
-            batch_of[w] = b
-        return [b]
+        groups: dict[int, list[int]] = {}
+        for w in dict.fromkeys(streamed[unit]):
+            if w not in batch_of and (before is None or last_user[w] < before):
+                groups.setdefault(last_user[w], []).append(w)
+        out = []
+        for last in sorted(groups):
+            b = len(batches)
+            batches.append(tuple(groups[last]))
+            batch_unit.append(unit)
+            for w in groups[last]:
+                batch_of[w] = b
+            out.append(b)
+        return out
 
+    # the next step's copies are issued before unit ``carry_at`` of this one: weights this step still uses there
+    # (a small table every unit reads, kept out of the unit's profile by unit_profiles) wait for the step start
+    carry_at = plan.carry_position(n)
     carry: list[int] = []
     for v in plan.next_step:
-        carry += add(v)
+        carry += add(v, before=carry_at)
     start = list(carry)
+    for v in plan.next_step:
+        start += add(v)
     for v in plan.prefetch_at.get(-1, ()):
         start += add(v)
     issue: list[tuple[int, ...]] = []
@@ -155,13 +166,20 @@ def unit_profiles(
     """
     owner = weight_owners(units)
     sizes: list[list[int]] = [[] for _ in units]
-    last = list(range(len(units)))
+    nbytes: dict[int, int] = {}
+    last_user: dict[int, int] = {}
     for u in units:
         for w in u.weights:
             o = owner[w.input_index]
-            if o == u.index:
+            if o == u.index and w.input_index not in nbytes:
                 sizes[o].append(w.nbytes)
-            last[o] = max(last[o], u.index)
+                nbytes[w.input_index] = w.nbytes
+            last_user[w.input_index] = u.index
+    by_last: list[dict[int, int]] = [{} for _ in units]  # per owner: bytes of its weights by their last user
+    for idx, b in nbytes.items():
+        o, lu = owner[idx], last_user[idx]
+        by_last[o][lu] = by_last[o].get(lu, 0) + b
+    last = [_lifetime(u.index, by_last[u.index]) for u in units]
     return [
         UnitProfile(
             index=i,
@@ -171,6 +189,24 @@ def unit_profiles(
         )
         for i in range(len(units))
     ]
+
+
+#: Weights of a unit that later units still use, up to this share of the unit's bytes, do not keep the unit alive
+#: in its profile: :func:`build_actions` copies them as batches of their own, freed after their own last user and
+#: never carried into the next step while in use (a rotary table every block reads, owned by the first block).
+MINOR_SHARE = 1 / 16
+
+
+def _lifetime(unit: int, by_last: dict[int, int]) -> int:
+    """The last unit a unit's profile keeps its weights for: the last user of its weights, leaving out the
+    longest-lived ones while together they are at most :data:`MINOR_SHARE` of the unit's bytes."""
+    total = sum(by_last.values())
+    dropped = 0
+    for last in sorted(by_last, reverse=True):
+        if last <= unit or dropped + by_last[last] > MINOR_SHARE * total:
+            return max(last, unit)
+        dropped += by_last[last]
+    return unit
 
 
 def batch_lifetimes(actions: StepActions) -> list[tuple[tuple[int, int], ...]]:

@@ -17,7 +17,7 @@ from magi_core.compile.handle import OffloadHandle
 from magi_core.plugin.manager import get_backend
 
 sys.path.insert(0, sys.argv[1])  # the tests directory
-from test_executor_models import TiedLM  # noqa: E402
+from test_executor_models import TableStack, TiedLM  # noqa: E402
 
 
 def steady_facts(f, args, ex, base0: int, ref: torch.Tensor) -> dict:
@@ -129,6 +129,8 @@ def main() -> None:
             print(json.dumps(run("transformer", tf, (x,), policy, ratio)), flush=True)
     print(json.dumps(run("tied", lm, (ids,), "BASE", 0.0)), flush=True)
     print(json.dumps(run("tied", lm, (ids,), "HEURISTIC", 0.5)), flush=True)
+    table = TableStack().eval()  # a small buffer every unit reads, owned by the first layer's unit
+    print(json.dumps(run("table", table, (torch.randn(3, 64),), "HEURISTIC", 0.0)), flush=True)
 
 
 if __name__ == "__main__":
