@@ -58,6 +58,22 @@ def test_merge_keeps_first_completed_run_and_each_parts_bandwidth() -> None:
     json.dumps(doc)  # still a JSON document
 
 
+def test_merging_a_merged_document_again_keeps_its_parts() -> None:
+    """A later run merged in front of an earlier merge: its runs win, every part stays listed with its runs."""
+    a = _part([_run("magi", 12.0, policy="H", ratio=0.0, label="magi H r=0")], bw=100.0, date="2026-01-01T00:00:05+00:00")
+    b = _part([_run("diffusers", 40.0)], bw=50.0, date="2026-01-01T00:00:01+00:00")
+    old = merge([a, b])
+    new = _part([_run("magi", 10.0, policy="H", ratio=0.0, label="magi H r=0"), _run("accelerate", 30.0)],
+                bw=80.0, date="2026-01-02T00:00:00+00:00")
+    doc = merge([new, old])
+    by = {r["label"]: r for r in doc["runs"]}
+    assert [p["h2d_GBps"] for p in doc["parts"]] == [80.0, 100.0, 50.0]
+    assert by["magi H r=0"]["step_ms"] == 10.0 and by["magi H r=0"]["part"] == 0
+    assert by["diffusers"]["part"] == 2 and by["diffusers"]["h2d_GBps"] == 50.0
+    assert [n for n in doc["notes"] if n.startswith("merged from")] == [doc["notes"][-1]]
+    assert doc["notes"][-1].startswith("merged from 3 ")
+
+
 @pytest.mark.parametrize("field,value", [("hardware", "other GPU"), ("torch", "2.99"), ("magi_core", "9")])
 def test_merge_refuses_parts_of_other_machines_or_software(field: str, value: str) -> None:
     a = _part([_run("resident_compiled", 4.0)], 100.0, "2026-01-01T00:00:00+00:00")

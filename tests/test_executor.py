@@ -7,16 +7,17 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.tracking import compile_tracked, compiles, newest
-from test_executor_models import MixedStack, TableStack, TiedLM, TupleKw
+from helpers.tracking import HANDLES, compile_tracked, compiles, newest
+from test_executor_models import Layer, MixedStack, TableStack, TiedLM, TupleKw
 
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.errors import ConfigError
 from magi_core.execute import executor as executor_mod
 from magi_core.execute.residency import RESIDENT
 from magi_core.execute.transfer import PerTensorTransfer
 from magi_core.plan import register_policy, unregister_policy
-from magi_core.plan.common import assemble
-from magi_core.plan.contract import STEP_START
+from magi_core.plan.common import assemble, fill, plan_with_limits
+from magi_core.plan.contract import STEP_START, Plan
 from magi_core.plan.lookahead import lookahead_plan
 from magi_core.plugin.manager import get_backend
 
@@ -320,3 +321,116 @@ def test_table_every_unit_reads_does_not_keep_its_first_unit_alive():
     own = {w.input_index for w in ex.units[owner].weights} - {table}
     assert own <= carried and table not in carried
     assert any(ex.actions.batches[b] == (table,) for b in ex.actions.start)
+
+
+class _EndsByTurn:
+    """A test policy whose resident choice differs from plan to plan (as HEURISTIC's does between input shapes):
+    the first plan keeps leading units, the next trailing ones, each within the config's cap or budget."""
+
+    plans = 0
+    share = 1.0  # of the cap it may use
+
+    def plan(self, profiles, bandwidth_Bps, config):  # type: ignore[no-untyped-def]
+        type(self).plans += 1
+        order = list(range(len(profiles)))
+        if type(self).plans % 2 == 0:
+            order.reverse()
+
+        def build(cap: int) -> Plan:
+            kept = fill(order, profiles, int(cap * type(self).share))
+            return lookahead_plan("ENDS", profiles, kept, 1, bandwidth_Bps)
+
+        return plan_with_limits(profiles, config, build)
+
+
+@pytest.fixture
+def ends_policy():
+    _EndsByTurn.plans, _EndsByTurn.share = 0, 1.0
+    register_policy("ends", _EndsByTurn)
+    yield
+    unregister_policy("ends")
+
+
+def _on_device(rts) -> int:
+    """Device bytes the runtimes hold between steps: the union of their resident weights and their copy buffers."""
+    held: dict = {}
+    for r in rts:
+        held.update(r.resident_hosts)
+    return sum(held.values()) + sum(int(getattr(r.executor.transfer, "buffer_bytes", 0)) for r in rts)
+
+
+def _two_shapes(model, **options):
+    xs = [torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (3, 5)]
+    f = compile_tracked(model, dynamic=False, options={"unit_compiler": "eager", "warmup_calls": 2, **options})
+    with torch.no_grad():
+        refs = [model(x) for x in xs]
+        for _ in range(4):
+            for x, ref in zip(xs, refs, strict=True):
+                close(f(x), ref)
+    rts = HANDLES[-1].runtimes
+    assert len(rts) == 2 and all(r.phase == "planned" for r in rts)
+    return rts
+
+
+def test_input_shapes_share_the_resident_ratio(ends_policy):
+    """Each input shape compiles its own runtime; together they keep at most the ratio of the weights resident,
+    and what one keeps resident the other uses too (one device copy)."""
+    model = TableStack(n=6).eval()
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    first, second = _two_shapes(model, policy="ends", gpu_resident_weight_ratio=0.5)
+    held = {**first.resident_hosts, **second.resident_hosts}
+    assert first.resident_hosts and sum(held.values()) <= 0.5 * weights
+    assert set(first.resident_hosts) <= set(second.resident_hosts)  # the second reuses the first's copies
+
+
+def test_input_shapes_share_the_device_budget(ends_policy):
+    """Both shapes stream under one budget: their resident weights and copy buffers together stay within it
+    (on a device with its own memory the copy buffer counts too: tox's magidev run)."""
+    _EndsByTurn.share = 0.5  # each plan keeps half of what it may: room for the second shape
+    model = TableStack(n=20).eval()
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    budget = int(0.8 * weights)
+    rts = _two_shapes(model, policy="ends", device_memory_budget_bytes=budget)
+    assert all(r.resident_hosts and r.executor.actions.streamed_bytes for r in rts)
+    assert _on_device(rts) <= budget
+
+
+def test_one_graph_fits_the_budget_with_its_copy_buffer():
+    """The copy buffer of fixed places can need a unit more than the plan's own peak: the plan is fitted again."""
+    model = TableStack(n=6).eval()
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    budget = int(0.6 * weights)
+    f = compile_tracked(model, options={"unit_compiler": "eager", "warmup_calls": 2, "policy": "BASE",
+                                        "device_memory_budget_bytes": budget})
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for _ in range(4):
+            close(f(x), model(x))
+    (rt,) = HANDLES[-1].runtimes
+    assert rt.resident_hosts and _on_device([rt]) <= budget
+
+
+def test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget():
+    model = TableStack(n=3).eval()
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    first, second = _two_shapes(model, device_memory_budget_bytes=weights)  # the first keeps everything
+    assert sum(first.resident_hosts.values()) == weights and second.resident_hosts == first.resident_hosts
+    assert second.executor.actions.streamed_bytes == 0
+
+
+def test_graphs_of_one_model_past_its_budget_say_what_to_do():
+    """A second graph on the same handle whose weights no longer fit what the first left of the budget."""
+    a, b = Layer(64).eval(), torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()).eval()  # two graphs
+    budget = sum(t.nbytes for t in a.parameters())  # all of a's weights: a keeps them resident
+    opts = {"unit_compiler": "eager", "warmup_calls": 2, "device_memory_budget_bytes": budget}
+    fa = compile_tracked(a, options=opts)
+    fb = torch.compile(b, backend=HANDLES[-1].backend, options=opts)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            close(fa(x), a(x))
+        assert _on_device(HANDLES[-1].runtimes) == budget
+        with pytest.raises(ConfigError, match="spent: 1 other compiled graph.*raise the budget"):
+            for _ in range(3):
+                fb(x)
+        assert len(HANDLES[-1].runtimes) == 2

@@ -213,6 +213,8 @@ def finalize(doc: dict[str, Any]) -> dict[str, Any]:
 
 # -- merging result documents of one machine -------------------------------------------------------------
 #: Fields :func:`derive` computes; dropped so that merging recomputes them.
+#: How the note a merge adds starts (a merged document merged again gets one, counting every part).
+_MERGED = "merged from"
 DERIVED = ("ideal_ms", "ideal_basis", "ratio_to_ideal", "speedup_vs", "copy_GBps", "pinned_over_weights")
 #: Environment fields that must agree for runs to be comparable.
 SAME_ENV = ("hardware", "torch", "magi_core", "python")
@@ -243,7 +245,8 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out = copy.deepcopy(first)
     out["runs"], out["workloads"], out["notes"] = [], {}, []
     slots: dict[tuple[Any, ...], int] = {}
-    for i, d in enumerate(docs):
+    parts: list[dict[str, Any]] = []
+    for d in docs:
         for name, w in d["workloads"].items():
             if name not in out["workloads"] or out["workloads"][name].get("status") == "skipped":
                 out["workloads"][name] = copy.deepcopy(w)  # a part that built the model beats one that skipped it
@@ -251,27 +254,30 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 have = out["workloads"][name].setdefault("tokens", {})
                 for t, info in w["tokens"].items():
                     have.setdefault(t, copy.deepcopy(info))
-        out["notes"] += [n for n in d.get("notes", []) if n not in out["notes"]]
+        out["notes"] += [n for n in d.get("notes", []) if n not in out["notes"] and not n.startswith(_MERGED)]
         for r in d["runs"]:
             r = {k: v for k, v in copy.deepcopy(r).items() if k not in DERIVED}
             if r.get("host_overhead_estimated"):
                 r.pop("host_overhead_us_per_unit", None)
                 r.pop("host_overhead_estimated", None)
             r.setdefault("h2d_GBps", d["h2d_GBps"])
-            r["part"] = i
+            # a document merged before keeps its parts: its runs say which of them ran them
+            r["part"] = len(parts) + (r.get("part", 0) if "parts" in d else 0)
             key = run_key(r)
             if key not in slots:
                 slots[key] = len(out["runs"])
                 out["runs"].append(r)
             elif out["runs"][slots[key]].get("status") != "ok" and r.get("status") == "ok":
                 out["runs"][slots[key]] = r
-    out["parts"] = [{"date": d["env"]["date"], "h2d_GBps": d["h2d_GBps"], "options": d.get("options"),
-                     "time_budget_s": d.get("time_budget_s")} for d in docs]
+        parts += copy.deepcopy(d["parts"]) if "parts" in d else [
+            {"date": d["env"]["date"], "h2d_GBps": d["h2d_GBps"], "options": d.get("options"),
+             "time_budget_s": d.get("time_budget_s")}]
+    out["parts"] = parts
     out["h2d_GBps"] = max(d["h2d_GBps"] for d in docs)  # the plot's ideal line: the fastest process's
     out["time_budget_s"] = None
     out["env"]["date"] = min(d["env"]["date"] for d in docs)
     out["notes"].append(
-        f"merged from {len(docs)} magi bench processes on this machine (see 'parts'; each run's 'part' and "
+        f"{_MERGED} {len(parts)} magi bench processes on this machine (see 'parts'; each run's 'part' and "
         "'h2d_GBps' say which process ran it and the bandwidth its ideal uses); max rel err is against the "
         "resident eager run of the same process"
     )

@@ -76,6 +76,7 @@ class OffloadHandle:
         self.forward: OffloadedForward | None = None
         self.released = False
         self._lock = threading.Lock()
+        self._plan_lock = threading.Lock()
         self._runtimes: list[weakref.ref[OffloadLifecycle]] = []
         self._compiles = 0
         self.backend = _BoundBackend(self)
@@ -87,6 +88,10 @@ class OffloadHandle:
             self._compiles += 1
             self._runtimes = [r for r in self._runtimes if r() is not None]
             self._runtimes.append(weakref.ref(runtime))
+        # the model's runtimes share its device budget, and plan one at a time
+        ref = weakref.ref(self)
+        runtime.peers = lambda: h.runtimes if (h := ref()) is not None else []
+        runtime.plan_lock = self._plan_lock
 
     @property
     def runtimes(self) -> list[OffloadLifecycle]:

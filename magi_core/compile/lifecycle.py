@@ -5,10 +5,17 @@ resident); call ``w`` runs the same plan while a unit timer records each unit's 
 stream (events only, no barrier per unit); call ``w + 1`` reads the timings, measures the host-to-device
 bandwidth (once per process, cached; rank 0's figure under torch.distributed) and installs the policy's
 static plan, which every later call follows. ``w = 0`` plans on the first call from weight sizes alone.
+
+Runtimes of one model (one per input shape, one per graph of a forward with graph breaks) share its device
+budget (:meth:`OffloadLifecycle._share_with_peers`): weights another runtime keeps resident stay resident here
+for free, ``gpu_resident_weight_ratio`` bounds the union of the runtimes' resident weights, and
+``device_memory_budget_bytes`` counts every runtime's resident weights and copy buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -17,7 +24,8 @@ from typing import Any
 import torch
 
 from magi_core.config import OffloadConfig, Policy
-from magi_core.execute.actions import unit_profiles
+from magi_core.errors import ConfigError
+from magi_core.execute.actions import StepActions, unit_profiles, weight_owners
 from magi_core.execute.executor import OffloadExecutor
 from magi_core.execute.profiler import UnitTimer, broadcast_profiles, measure_h2d_bandwidth
 from magi_core.plan import build_plan
@@ -28,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 Planner = Callable[[Sequence[UnitProfile], float, OffloadConfig], Plan]
 BandwidthFn = Callable[[], float]
+
+#: Plans tried to fit ``device_memory_budget_bytes`` with what the installed plan really holds.
+_FIT_ROUNDS = 4
 
 _bw_lock = threading.Lock()
 _bw_cache: dict[tuple[str, int], float] = {}
@@ -73,6 +84,14 @@ class OffloadLifecycle:
         self._planned = False
         #: Warm-up calls (look-ahead, profile, planning) run one at a time; planned calls never take it.
         self._warmup_lock = threading.Lock()
+        #: The other runtimes of the same model (set by its handle), which share its device budget.
+        self.peers: Callable[[], Sequence[OffloadLifecycle]] | None = None
+        #: Held while planning, so runtimes of one model plan one at a time (set by the handle).
+        self.plan_lock: Any = None
+        #: Why less of the device budget was left to plan with (other runtimes of the model), for errors.
+        self._peer_note = ""
+        #: Host tensors (id, data pointer) of the weights the static plan keeps resident, with their bytes.
+        self.resident_hosts: dict[tuple[int, int], int] = {}
         if config.warmup_calls > 0:
             executor.set_plan(self.warmup_plan())
 
@@ -103,7 +122,7 @@ class OffloadLifecycle:
         self.calls += 1
         w = self.config.warmup_calls
         if self.calls > w:
-            self._install_static_plan()
+            self._install_static_plan(args)
             return self.executor.run(args, None)
         if self.calls == w:
             self.phase = "profile"
@@ -111,15 +130,17 @@ class OffloadLifecycle:
             return self.executor.run(args, self._timer)
         return self.executor.run(args, None)
 
-    def _install_static_plan(self) -> None:
+    def _install_static_plan(self, args: Sequence[Any]) -> None:
         compute_ms = None
         if self._timer is not None:
             compute_ms = broadcast_profiles([float(x) for x in self._timer.elapsed_ms()])
             self._timer = None
         self.profiles = unit_profiles(self.executor.units, compute_ms, self.executor.transfer.nbytes)
         self.bandwidth_Bps = self.executor.transfer.rate(self._bandwidth())
-        plan = self._planner(self.profiles, self.bandwidth_Bps, self.config)
-        actions = self.executor.set_plan(plan)
+        with self.plan_lock if self.plan_lock is not None else contextlib.nullcontext():
+            profiles, config, shared, held = self._share_with_peers(self.profiles, args)
+            plan, actions = self._fit(profiles, self.bandwidth_Bps, config, shared, held, args)
+            self.resident_hosts = {_key(args[i]): int(args[i].nbytes) for i in actions.resident}
         self.phase = "planned"
         self._planned = True
         logger.info(
@@ -129,6 +150,101 @@ class OffloadLifecycle:
             actions.streamed_bytes, plan.predicted_step_ms, plan.predicted_stall_ms,
         )
 
+    def _fit(self, profiles: list[UnitProfile], bandwidth_Bps: float, config: OffloadConfig, shared: frozenset[int],
+             held: dict[tuple[int, int], int], args: Sequence[Any]) -> tuple[Plan, StepActions]:
+        """Plan and install; under ``device_memory_budget_bytes``, re-plan with less until what the installed plan
+        holds fits: its new resident weights plus the transfer's copy buffer (a buffer of fixed places can need
+        one unit more than the plan's own peak, e.g. when an odd number of batches cycle through two places)."""
+        budget = config.device_memory_budget_bytes
+        for _ in range(_FIT_ROUNDS):
+            try:
+                plan = self._planner(profiles, bandwidth_Bps, config)
+            except ConfigError as e:
+                if not self._peer_note:
+                    raise
+                raise ConfigError(f"{e}. {self._peer_note}") from e
+            if shared:
+                plan = dataclasses.replace(plan, resident=plan.resident | shared)
+                plan.validate(self.profiles or profiles)
+            actions = self.executor.set_plan(plan)
+            if budget is None:
+                return plan, actions
+            new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
+            used = sum(new.values()) + int(getattr(self.executor.transfer, "buffer_bytes", 0))
+            allowed = config.device_memory_budget_bytes
+            assert allowed is not None
+            if used <= allowed:
+                return plan, actions
+            if allowed - (used - allowed) <= 0:
+                break
+            logger.info("magi offload: the installed plan holds %d bytes for a budget of %d; planning with less",
+                        used, allowed)
+            config = config.replace(device_memory_budget_bytes=allowed - (used - allowed))
+        raise ConfigError(
+            f"OffloadConfig.device_memory_budget_bytes={self.config.device_memory_budget_bytes} is too small for this "
+            f"graph on {self.executor.device}: its weights on the device take {used} bytes with what fits "
+            f"({allowed} bytes left for it); raise the budget, or split units further with max_unit_bytes"
+            + (f". {self._peer_note}" if self._peer_note else "")
+        )
+
+    def _share_with_peers(
+        self, profiles: list[UnitProfile], args: Sequence[Any]
+    ) -> tuple[list[UnitProfile], OffloadConfig, frozenset[int], dict[tuple[int, int], int]]:
+        """Profiles and config to plan with next to the model's other planned runtimes on this device, and the
+        units whose weights those keep resident already (resident here too, at no cost: planned as weightless),
+        and the host tensors those keep resident (with their bytes).
+
+        The resident cap of ``gpu_resident_weight_ratio`` shrinks by this graph's weights the others keep;
+        ``device_memory_budget_bytes`` by everything the others hold (resident weights and copy buffers).
+        """
+        peers = [r for r in (self.peers() if self.peers is not None else ())
+                 if r is not self and r._planned and r.executor.device == self.executor.device]
+        if not peers:
+            return profiles, self.config, frozenset(), {}
+        held: dict[tuple[int, int], int] = {}
+        for r in peers:
+            held.update(r.resident_hosts)
+        buffers = sum(int(getattr(r.executor.transfer, "buffer_bytes", 0)) for r in peers)
+        units = self.executor.units
+        owner = weight_owners(units)
+        owned: dict[int, list[int]] = {}
+        mine: dict[tuple[int, int], int] = {}
+        for u in units:
+            for w in u.weights:
+                mine[_key(args[w.input_index])] = w.nbytes
+                if owner[w.input_index] == u.index:
+                    owned.setdefault(u.index, []).append(w.input_index)
+        shared = frozenset(u for u, ws in owned.items()
+                           if profiles[u].weight_bytes > 0 and all(_key(args[i]) in held for i in ws))
+        planned = [dataclasses.replace(p, weight_bytes=0) if p.index in shared else p for p in profiles]
+        cfg = self.config
+        budget = cfg.device_memory_budget_bytes
+        if budget is not None:
+            others = sum(held.values()) + buffers
+            self._peer_note = (
+                f"{len(peers)} other compiled graph(s) of this model (other input shapes or graph breaks) already "
+                f"hold {others} bytes of the budget ({budget}) on {self.executor.device}: raise the budget, call the "
+                "model with fewer input shapes (pad them, or torch.compile(dynamic=True) so one graph serves them), "
+                "or release the model and offload again"
+            )
+            if others >= budget and any(p.weight_bytes for p in planned):
+                raise ConfigError(f"OffloadConfig.device_memory_budget_bytes={budget} is spent: {self._peer_note}")
+            cfg = cfg.replace(device_memory_budget_bytes=max(1, budget - others))  # 1: nothing left to place
+        else:
+            total = sum(p.weight_bytes for p in profiles)
+            left = sum(p.weight_bytes for p in planned)
+            cap = max(0.0, cfg.gpu_resident_weight_ratio * total - sum(mine[k] for k in mine if k in held))
+            cfg = cfg.replace(gpu_resident_weight_ratio=min(1.0, cap / left) if left else 0.0)
+        logger.info("magi offload: %d unit(s) already resident for %d other graph(s) of this model; planning with %s",
+                    len(shared), len(peers), f"a budget of {cfg.device_memory_budget_bytes} bytes" if budget is not None
+                    else f"a resident ratio of {cfg.gpu_resident_weight_ratio:.4f} for the rest")
+        return planned, cfg, shared, held
+
     def close(self) -> None:
         """Release the executor's device weights."""
         self.executor.close()
+
+
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    """Which host tensor (object and data) a weight argument is: what resident copies are shared by."""
+    return id(t), t.data_ptr()
