@@ -285,6 +285,9 @@ def magi_step_info(model: nn.Module) -> dict[str, Any]:
     rt = live[-1]
     s = h.stats()[-1]
     info: dict[str, Any] = {"units": s.units, "magi_phase": s.phase, "compile_count": h.compile_count}
+    # the copy buffers of the model's runtimes for other token counts stay allocated (each shape has its plan)
+    info["transfer_buffer_bytes"] = s.transfer_buffer_bytes
+    info["other_runtimes_buffer_bytes"] = sum(o.transfer_buffer_bytes for o in h.stats()[:-1])
     if s.resident_bytes is not None and s.streamed_bytes_per_step is not None:
         info["resident_bytes"] = s.resident_bytes
         info["streamed_bytes"] = s.streamed_bytes_per_step
