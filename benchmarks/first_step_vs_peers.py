@@ -126,7 +126,8 @@ def run_system(system: str, args: argparse.Namespace) -> dict[str, Any]:
     out = out[0] if isinstance(out, tuple) else getattr(out, "sample", getattr(out, "logits", out))
     if args.output is not None:
         torch.save(out.detach().float().cpu(), args.output)
-    shm = int(magi_core.handle(model).host.weight_bytes) if system == "magi" else 0
+    host = magi_core.handle(model).host if system == "magi" else None
+    shm = int(host.weight_bytes) if host is not None else 0
     return {"system": system, "seconds_to_loaded": loaded, "seconds_to_first_output": loaded + steps[0],
             "first_step_s": steps[0], "second_step_s": steps[1], "wall_s": first,
             "peak_rss_bytes": peak_rss_bytes(), "anon_peak_extra_bytes": anon.extra,
@@ -144,6 +145,8 @@ def main() -> int:
     ap.add_argument("--systems", default=None, help="comma list (default: magi and the model's peers)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--output", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-timeout", type=float, default=None,
+                    help="seconds one system may take (it is then reported as timed out and the next one runs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.tokens is None:
@@ -152,8 +155,12 @@ def main() -> int:
         print(json.dumps(run_system(args.worker, args)))
         return 0
     os.makedirs(args.dir, exist_ok=True)
+    written = None
     if not list(Path(args.dir).glob("*.safetensors")):
+        t0 = time.perf_counter()
         write_checkpoint(args)
+        written = time.perf_counter() - t0
+        print(f"checkpoint written in {written:.1f} s", file=sys.stderr, flush=True)
     files = sorted(Path(args.dir).glob("*.safetensors"))
     for f in files:  # warm the page cache: every system then reads the same hot files
         with open(f, "rb", buffering=0) as fh:
@@ -169,10 +176,17 @@ def main() -> int:
                "--dir", args.dir, "--tokens", str(args.tokens), "--output", out_file]
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+        except subprocess.TimeoutExpired:
+            rows.append({"system": system, "status": "timed out",
+                         "reason": f"--worker-timeout {args.worker_timeout} s"})
+            _save(_doc(args, files, rows, written), args.out)
+            continue
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             rows.append({"system": system, "status": "failed", "reason": proc.stderr.strip()[-800:]})
+            _save(_doc(args, files, rows, written), args.out)
             continue
         row = {**json.loads(lines[-1]), "status": "ok"}
         outputs[system] = torch.load(out_file)
@@ -181,6 +195,21 @@ def main() -> int:
         if system in outputs and systems[0] in outputs:
             row["max_rel_err_vs_" + systems[0]] = float((outputs[system] - ref).abs().max() / ref.abs().max())
         rows.append(row)
+        print(f"{system}: first output after {row['seconds_to_first_output']:.1f} s", file=sys.stderr, flush=True)
+        _save(_doc(args, files, rows, written), args.out)  # after each system: a cut-off run keeps what ran
+    emit_json(_doc(args, files, rows, written), args.out)
+    return 0
+
+
+def _save(doc: dict[str, Any], path: str | None) -> None:
+    """Write ``doc`` to ``path`` (when given) without printing it."""
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _doc(args: argparse.Namespace, files: list[Path], rows: list[dict[str, Any]], written: float | None
+         ) -> dict[str, Any]:
+    """The result document for the systems run so far."""
     import magi_core
     from magi_core.bench.measure import cpu_name
 
@@ -193,11 +222,11 @@ def main() -> int:
         "hardware": dm.get_device_name() if accel and hasattr(dm, "get_device_name") else cpu_name(),
         "cpu": cpu_name(), "torch": torch.__version__, "python": platform.python_version(),
         "magi_core": magi_core.__version__, "model": args.model, "layers": args.layers, "tokens": args.tokens,
-        "checkpoint_bytes": sum(f.stat().st_size for f in files), "meaningful": accel,
-        "command": " ".join(["python", "benchmarks/first_step_vs_peers.py", *sys.argv[1:]]), "rows": rows,
+        "checkpoint_bytes": sum(f.stat().st_size for f in files), "checkpoint_write_s": written,
+        "meaningful": accel, "command": " ".join(["python", "benchmarks/first_step_vs_peers.py", *sys.argv[1:]]),
+        "rows": rows,
     }
-    emit_json(doc, args.out)
-    return 0
+    return doc
 
 
 if __name__ == "__main__":

@@ -59,3 +59,9 @@ def test_first_step_vs_peers_loads_the_same_model_everywhere(tmp_path: Path) -> 
     assert all(0 < r["seconds_to_loaded"] <= r["seconds_to_first_output"] for r in rows.values())
     assert doc["checkpoint_bytes"] > 0 and not doc["meaningful"]
     assert not list(ckpt.glob(".first-step-*"))  # the outputs compared are removed
+    assert doc["checkpoint_write_s"] > 0
+    # a system that outlasts --worker-timeout is reported, and the next one still runs
+    again = _script("first_step_vs_peers", tmp_path, "--model", "wan14b", "--dir", str(ckpt),
+                    "--systems", "magi,accelerate", "--worker-timeout", "0.01")
+    assert [(r["system"], r["status"]) for r in again["rows"]] == [("magi", "timed out"), ("accelerate", "timed out")]
+    assert again["checkpoint_write_s"] is None  # the checkpoint was there already
