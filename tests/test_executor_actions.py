@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from magi_core.compile.device_branches import device_branch_reasons
+from magi_core.config import OffloadConfig
 from magi_core.execute.actions import batch_lifetimes, build_actions, unit_profiles
 from magi_core.passes.units import OffloadUnit, WeightSlot
+from magi_core.plan import build_plan
 from magi_core.plan.contract import Plan
 
 
@@ -147,3 +152,48 @@ def test_weights_later_units_read_keep_their_unit_when_they_are_most_of_it():
     # several long-lived weights: left out only while together within MINOR_SHARE of the unit
     us = units([[(1, 1000), (2, 40), (3, 40)], [(2, 40)], [(3, 40)]])
     assert unit_profiles(us)[0].last_use == 1  # the one read until unit 2 is dropped; both (8%) would not be
+
+
+@st.composite
+def shared_specs(draw):
+    """Units of a few weights each, some read again by later units (tables, tied weights), some weightless."""
+    n = draw(st.integers(2, 7))
+    spec: list[list[tuple[int, int]]] = []
+    sizes: dict[int, int] = {}
+    nxt = 1
+    for u in range(n):
+        ws = []
+        for _ in range(draw(st.integers(0, 3))):
+            sizes[nxt] = draw(st.sampled_from([8, 100, 1000, 5000]))
+            ws.append((nxt, sizes[nxt]))
+            nxt += 1
+        if u and sizes and draw(st.integers(0, 3)):  # read a weight an earlier unit owns (a small one: a table)
+            w = draw(st.sampled_from(sorted(sizes, key=lambda i: (sizes[i], i))[:2]))
+            if all(w != i for i, _ in ws):
+                ws.append((w, sizes[w]))
+        spec.append(ws)
+    return spec
+
+
+@given(spec=shared_specs(), compute=st.lists(st.floats(0.01, 5.0), min_size=7, max_size=7),
+       policy=st.sampled_from(["BASE", "COST_EFFECTIVE", "HEURISTIC"]), ratio=st.sampled_from([0.0, 0.3]))
+@settings(max_examples=300, deadline=None)
+def test_actions_keep_every_weight_alive_for_its_readers_and_never_carry_one_in_use(spec, compute, policy, ratio):
+    us = units(spec)
+    profiles = [dataclasses.replace(p, compute_ms=compute[p.index]) for p in unit_profiles(us)]
+    plan = build_plan(profiles, 2e4, OffloadConfig(policy=policy, gpu_resident_weight_ratio=ratio))
+    plan.validate(profiles)
+    a = build_actions(us, plan)
+    batched = [w for ws in a.batches for w in ws]
+    users = {w.input_index: w.users for u in us for w in u.weights}
+    assert len(batched) == len(set(batched)) and set(batched) | set(a.resident) == set(users)
+    carried = {w for b in a.carry for w in a.batches[b]}
+    assert all(max(users[w]) < a.carry_unit for w in carried), "a carried weight is still read this step"
+    life = batch_lifetimes(a)
+    for b, ws in enumerate(a.batches):
+        for w in ws:  # alive from before its first reader runs to after its last, in this step
+            first, last = 2 * min(users[w]) + 1, 2 * max(users[w]) + 1
+            assert any(lo <= first and last <= hi for lo, hi in life[b]), (b, w, life[b])
+    for u in range(len(a.wait)):  # a unit waits on every batch it reads that was not waited on before
+        waited = {w for k in range(u + 1) for b in a.wait[k] for w in a.batches[b]}
+        assert all(w in waited or w in a.resident for w in (x.input_index for x in us[u].weights))
