@@ -134,6 +134,20 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any, AnonPeak]:
     return seconds, out, peak
 
 
+def _magi_row(model: torch.nn.Module, path: str, pin: bool, threads: int | None) -> dict[str, Any]:
+    """Load ``model`` (on the meta device) from ``path`` into the host arena; timings, rates and memory."""
+    opts = HostOptions(progress=False, pin=pin, load_threads=threads)
+    seconds, hw, peak = _timed(lambda: materialize(model, options=opts, source=path))
+    rep = hw.report["load"]
+    row = {"seconds": seconds, "read_seconds": rep["read_seconds"], "bytes_read": rep["bytes_read"],
+           "GBps_read": rep["bytes_read"] / rep["read_seconds"] / 1e9,
+           "GBps_end_to_end": rep["bytes_read"] / seconds / 1e9, "weight_bytes": hw.weight_bytes,
+           "anon_extra_bytes": peak.extra, "anon_extra_of_weights": peak.extra / hw.weight_bytes,
+           "staging_bytes": rep["staging_bytes"], "threads": rep["threads"], "timings": hw.report["timings"]}
+    hw.release()
+    return row
+
+
 def _accelerate_row(path: str, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any] | None:
     """accelerate's ``init_empty_weights`` + ``load_checkpoint_and_dispatch`` onto the CPU (its CPU-offload host
     copy), timed with the anonymous memory it adds; None when accelerate is not installed."""
@@ -177,8 +191,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", help="the model's dtype (float32: the converting path)")
     ap.add_argument("--pin", action="store_true", help="pin the arena too (the offload path does)")
     ap.add_argument("--threads", type=int, default=None, help="HostOptions.load_threads (default: auto)")
+    ap.add_argument("--also-threads", default="", help="comma list: also load with these HostOptions.load_threads")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    also = [int(t) for t in args.also_threads.split(",") if t]
     own_dir = args.dir is None
     path = args.dir or tempfile.mkdtemp(prefix="magi-load-rate-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     try:
@@ -195,18 +211,13 @@ def main() -> int:
             rows["page_cache_fresh"].append({"seconds": seconds, "bytes": nbytes, "GBps": nbytes / seconds / 1e9})
             with torch.device("meta"):
                 model = _Model(args.layers, args.hidden, args.ffn, args.vocab).to(dtype)
-            opts = HostOptions(progress=False, pin=args.pin, load_threads=args.threads)
-            seconds, hw, peak = _timed(lambda m=model, o=opts: materialize(m, options=o, source=path))
-            rep = hw.report["load"]
-            rows["magi"].append({"seconds": seconds, "read_seconds": rep["read_seconds"],
-                                 "bytes_read": rep["bytes_read"],
-                                 "GBps_read": rep["bytes_read"] / rep["read_seconds"] / 1e9,
-                                 "GBps_end_to_end": rep["bytes_read"] / seconds / 1e9, "weight_bytes": hw.weight_bytes,
-                                 "anon_extra_bytes": peak.extra, "anon_extra_of_weights": peak.extra / hw.weight_bytes,
-                                 "staging_bytes": rep["staging_bytes"], "threads": rep["threads"],
-                                 "timings": hw.report["timings"]})
-            hw.release()
-            del model, hw
+            rows["magi"].append(_magi_row(model, path, args.pin, args.threads))
+            del model
+            for t in also:  # several threads reading into the arena's mapping
+                with torch.device("meta"):
+                    model = _Model(args.layers, args.hidden, args.ffn, args.vocab).to(dtype)
+                rows.setdefault(f"magi_threads_{t}", []).append(_magi_row(model, path, args.pin, t))
+                del model
             acc = _accelerate_row(path, args, dtype)
             if acc is not None:
                 rows.setdefault("accelerate", []).append(acc)
@@ -229,6 +240,10 @@ def main() -> int:
             "magi_end_to_end_vs_page_cache_fresh": best["magi"]["GBps_end_to_end"] / best["page_cache_fresh"]["GBps"],
             "magi_end_to_end_vs_accelerate": (best["magi"]["GBps_end_to_end"] / best["accelerate"]["GBps_end_to_end"]
                                               if "accelerate" in best else None),
+            "threads_read_vs_page_cache": {t: best[f"magi_threads_{t}"]["GBps_read"] / best["page_cache"]["GBps"]
+                                           for t in also},
+            "threads_end_to_end_vs_page_cache": {
+                t: best[f"magi_threads_{t}"]["GBps_end_to_end"] / best["page_cache"]["GBps"] for t in also},
             "host_memory_note": "magi's weights land in shared memory (one copy per node, counted in weight_bytes, "
                                 "not in anon_extra_bytes); accelerate's are this process's anonymous memory",
             "rows": rows,

@@ -65,3 +65,14 @@ def test_first_step_vs_peers_loads_the_same_model_everywhere(tmp_path: Path) -> 
                     "--systems", "magi,accelerate", "--worker-timeout", "0.01")
     assert [(r["system"], r["status"]) for r in again["rows"]] == [("magi", "timed out"), ("accelerate", "timed out")]
     assert again["checkpoint_write_s"] is None  # the checkpoint was there already
+
+
+def test_load_rate_compares_magi_with_threads_against_the_page_cache(tmp_path: Path) -> None:
+    doc = _script("load_rate", tmp_path, "--layers", "2", "--hidden", "64", "--ffn", "128", "--vocab", "256",
+                  "--repeats", "1", "--also-threads", "2", "--dir", str(tmp_path / "ckpt"))
+    rows = doc["rows"]
+    nbytes = rows["magi"][0]["weight_bytes"]  # the files hold these and their headers
+    assert rows["magi"][0]["threads"] == 1 and rows["magi_threads_2"][0]["threads"] == 2
+    assert rows["magi"][0]["bytes_read"] == rows["magi_threads_2"][0]["bytes_read"] == nbytes > 0
+    assert nbytes < doc["checkpoint"]["bytes"] < nbytes + 4096 * 4
+    assert doc["threads_read_vs_page_cache"]["2"] > 0 and doc["magi_read_vs_page_cache"] > 0

@@ -702,7 +702,6 @@ class _Materializer:
         loader = self.loader
         loaded = [s for s in mine if loader is not None and loader.owns(s)]
         threads = self._load_threads(loaded) if loader is not None and loader.parallel else 1
-        extra_fds: list[int] = []
         buf: torch.Tensor | None = None
         into: list[torch.Tensor] = []
         t0 = time.perf_counter()
@@ -721,17 +720,13 @@ class _Materializer:
                 if threads > 1:
                     assert loader is not None
                     local = threading.local()
-                    fd_lock = threading.Lock()
 
                     def fill(slot: Slot) -> Slot:
-                        if not hasattr(local, "fds"):
-                            local.fds, local.staging = {}, loader.thread_staging(threads)
-                        k = slot.arena
-                        if k in rd.fds and k not in local.fds:  # a description of its own: sendfile's offset
-                            local.fds[k] = os.open(f"/proc/self/fd/{rd.fds[k]}", os.O_RDWR | os.O_CLOEXEC)
-                            with fd_lock:
-                                extra_fds.append(local.fds[k])
-                        loader.fill(slot, dst[k], slot.offset, local.fds.get(k), local.staging)
+                        # into the mapping: page faults of several threads run at once, while writes into one
+                        # file (sendfile, pwrite) take the file's lock one writer at a time
+                        if not hasattr(local, "staging"):
+                            local.staging = loader.thread_staging(threads)
+                        loader.fill(slot, dst[slot.arena], slot.offset, None, local.staging)
                         return slot
 
                     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="magi-load") as pool:
@@ -757,7 +752,7 @@ class _Materializer:
             if loader is not None and loaded:
                 loader.seconds += time.perf_counter() - t0
                 loader.threads = max(loader.threads, threads)
-            for fd in [*rd.fds.values(), *extra_fds]:
+            for fd in rd.fds.values():
                 os.close(fd)
             rd.fds.clear()
             dst.clear()
@@ -772,9 +767,9 @@ class _Materializer:
 
     def _load_threads(self, slots: list[Slot]) -> int:
         """Threads filling slots from files: HostOptions.load_threads, else one when nothing needs converting (the
-        kernel copies into the arena's file, one writer at a time per file), else the cores shared by the node's
-        ranks (at most 8); one where /proc/self/fd cannot give each thread a file description of its own."""
-        if len(slots) < 2 or not os.path.isdir("/proc/self/fd") or self.loader is None:
+        kernel copies into the arena's file, no page faults here), else the cores shared by the node's ranks (at
+        most 8). Several threads read into the arena's mapping."""
+        if len(slots) < 2 or self.loader is None:
             return 1
         if self.opts.load_threads is not None:
             return min(self.opts.load_threads, len(slots))
