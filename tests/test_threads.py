@@ -59,3 +59,43 @@ def test_first_call_from_many_threads(shm_dir: str, ratio: float, transfer: str)
         assert h.runtime.phase == "planned"
     finally:
         magi_core.release(model)
+
+
+def test_threads_with_two_input_shapes_plan_one_at_a_time_within_the_ratio(shm_dir: str) -> None:
+    """Threads calling with two input shapes from the first call: two runtimes plan, one after the other, and
+    together keep at most the ratio of the weights resident (what one keeps, the other uses too)."""
+    torch._dynamo.reset()
+    model = build_transformer(SPEC)
+    xs = [example_input(SPEC, tokens=5 + 2 * (s % 2), seed=s) for s in range(THREADS)]
+    with torch.no_grad():
+        refs = [model(x) for x in xs]
+    weights = sum(p.nbytes for p in model.parameters())
+    magi_core.offload(model, magi_core.OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5,
+                                                     unit_compiler="eager"), dynamic=False)
+    errors: list[BaseException] = []
+    start = threading.Barrier(THREADS)
+
+    def worker(k: int) -> None:
+        try:
+            start.wait()
+            with torch.no_grad():
+                for _ in range(5):
+                    close(model(xs[k]), refs[k])
+        except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        rts = magi_core.handle(model).runtimes
+        assert len(rts) == 2 and all(r.phase == "planned" for r in rts)
+        held: dict = {}
+        for r in rts:
+            held.update(r.resident_hosts)
+        assert held and sum(held.values()) <= 0.5 * weights
+    finally:
+        magi_core.release(model)

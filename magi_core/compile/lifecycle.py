@@ -141,8 +141,8 @@ class OffloadLifecycle:
             profiles, config, shared, held = self._share_with_peers(self.profiles, args)
             plan, actions = self._fit(profiles, self.bandwidth_Bps, config, shared, held, args)
             self.resident_hosts = {_key(args[i]): int(args[i].nbytes) for i in actions.resident}
-        self.phase = "planned"
-        self._planned = True
+            self.phase = "planned"
+            self._planned = True  # before the lock is let go: the next runtime to plan counts this one
         logger.info(
             "magi offload: %s plan for %d units: %d/%d weight bytes resident, %d streamed per step, "
             "predicted step %.3f ms (stall %.3f ms)",
