@@ -60,7 +60,8 @@ def test_merge_keeps_first_completed_run_and_each_parts_bandwidth() -> None:
 
 def test_merging_a_merged_document_again_keeps_its_parts() -> None:
     """A later run merged in front of an earlier merge: its runs win, every part stays listed with its runs."""
-    a = _part([_run("magi", 12.0, policy="H", ratio=0.0, label="magi H r=0")], bw=100.0, date="2026-01-01T00:00:05+00:00")
+    a = _part([_run("magi", 12.0, policy="H", ratio=0.0, label="magi H r=0")], bw=100.0,
+              date="2026-01-01T00:00:05+00:00")
     b = _part([_run("diffusers", 40.0)], bw=50.0, date="2026-01-01T00:00:01+00:00")
     old = merge([a, b])
     new = _part([_run("magi", 10.0, policy="H", ratio=0.0, label="magi H r=0"), _run("accelerate", 30.0)],
