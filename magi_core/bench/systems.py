@@ -285,9 +285,12 @@ def magi_step_info(model: nn.Module) -> dict[str, Any]:
     rt = live[-1]
     s = h.stats()[-1]
     info: dict[str, Any] = {"units": s.units, "magi_phase": s.phase, "compile_count": h.compile_count}
-    # the copy buffers of the model's runtimes for other token counts stay allocated (each shape has its plan)
+    # the model's runtimes for other token counts keep their copy buffers (one shared buffer, of their largest
+    # plan's size, where the transfer shares it): what the device holds for copies beyond this plan's own
     info["transfer_buffer_bytes"] = s.transfer_buffer_bytes
-    info["other_runtimes_buffer_bytes"] = sum(o.transfer_buffer_bytes for o in h.stats()[:-1])
+    bufs = {b.data_ptr(): b.numel() for r in live
+            if (b := getattr(r.executor.transfer, "device_buffer", None)) is not None}
+    info["other_runtimes_buffer_bytes"] = max(0, sum(bufs.values()) - s.transfer_buffer_bytes)
     if s.resident_bytes is not None and s.streamed_bytes_per_step is not None:
         info["resident_bytes"] = s.resident_bytes
         info["streamed_bytes"] = s.streamed_bytes_per_step

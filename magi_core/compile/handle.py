@@ -22,6 +22,7 @@ import torch.fx
 
 from magi_core.compile.backend import magi_offload_backend
 from magi_core.errors import MagiError
+from magi_core.execute.transfer.shared import SharedBuffer
 
 if TYPE_CHECKING:
     from magi_core.compile.device_inputs import OffloadedForward
@@ -77,6 +78,8 @@ class OffloadHandle:
         self.released = False
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._buffers: dict[str, SharedBuffer] = {}
         self._runtimes: list[weakref.ref[OffloadLifecycle]] = []
         self._compiles = 0
         self.backend = _BoundBackend(self)
@@ -88,10 +91,18 @@ class OffloadHandle:
             self._compiles += 1
             self._runtimes = [r for r in self._runtimes if r() is not None]
             self._runtimes.append(weakref.ref(runtime))
-        # the model's runtimes share its device budget, and plan one at a time
+        # the model's runtimes share its device budget and plan one at a time; they run one step at a time, in
+        # one copy buffer per device
         ref = weakref.ref(self)
         runtime.peers = lambda: h.runtimes if (h := ref()) is not None else []
         runtime.plan_lock = self._plan_lock
+        ex = runtime.executor
+        with self._lock:
+            shared = self._buffers.get(str(ex.device))
+            if shared is None:
+                b = ex.backend
+                shared = self._buffers[str(ex.device)] = SharedBuffer(b.record_stream, b.device_module.Event)
+        ex.join_model(self._step_lock, shared)
 
     @property
     def runtimes(self) -> list[OffloadLifecycle]:

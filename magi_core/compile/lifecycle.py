@@ -90,6 +90,8 @@ class OffloadLifecycle:
         self.plan_lock: Any = None
         #: Why less of the device budget was left to plan with (other runtimes of the model), for errors.
         self._peer_note = ""
+        #: Bytes of the copy buffer this runtime shares with its planned peers that they need (their largest).
+        self._peer_buffer = 0
         #: Host tensors (id, data pointer) of the weights the static plan keeps resident, with their bytes.
         self.resident_hosts: dict[tuple[int, int], int] = {}
         if config.warmup_calls > 0:
@@ -170,7 +172,8 @@ class OffloadLifecycle:
             if budget is None:
                 return plan, actions
             new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
-            used = sum(new.values()) + int(getattr(self.executor.transfer, "buffer_bytes", 0))
+            # a copy buffer shared with the peers grows only by what this plan needs beyond theirs
+            used = sum(new.values()) + max(0, _buffer_bytes(self) - self._peer_buffer)
             allowed = config.device_memory_budget_bytes
             assert allowed is not None
             if used <= allowed:
@@ -199,12 +202,18 @@ class OffloadLifecycle:
         """
         peers = [r for r in (self.peers() if self.peers is not None else ())
                  if r is not self and r._planned and r.executor.device == self.executor.device]
+        self._peer_buffer = 0
         if not peers:
             return profiles, self.config, frozenset(), {}
         held: dict[tuple[int, int], int] = {}
         for r in peers:
             held.update(r.resident_hosts)
-        buffers = sum(int(getattr(r.executor.transfer, "buffer_bytes", 0)) for r in peers)
+        # copy buffers: one shared by the runtimes whose transfers share it (its size: their largest plan's)
+        shared_buf = getattr(self.executor.transfer, "shared", None)
+        same = [r for r in peers if shared_buf is not None and getattr(r.executor.transfer, "shared", None)
+                is shared_buf]
+        self._peer_buffer = max((_buffer_bytes(r) for r in same), default=0)
+        buffers = self._peer_buffer + sum(_buffer_bytes(r) for r in peers if r not in same)
         units = self.executor.units
         owner = weight_owners(units)
         owned: dict[int, list[int]] = {}
@@ -248,3 +257,8 @@ class OffloadLifecycle:
 def _key(t: torch.Tensor) -> tuple[int, int]:
     """Which host tensor (object and data) a weight argument is: what resident copies are shared by."""
     return id(t), t.data_ptr()
+
+
+def _buffer_bytes(runtime: OffloadLifecycle) -> int:
+    """Bytes of the copy buffer a runtime's installed plan needs (0 for a transfer that allocates per copy)."""
+    return int(getattr(runtime.executor.transfer, "buffer_bytes", 0))

@@ -38,6 +38,7 @@ from magi_core.execute.inputs import InputPreparer
 from magi_core.execute.program import build_program
 from magi_core.execute.residency import RESIDENT, ResidentSet, ResidentStore
 from magi_core.execute.transfer import PerTensorTransfer, UnitTransfer, WeightTransfer
+from magi_core.execute.transfer.shared import SharedBuffer
 from magi_core.execute.unit_compile import UnitFn, unit_callable
 from magi_core.passes.units import SplitGraph
 from magi_core.plan.contract import Plan
@@ -163,8 +164,21 @@ class OffloadExecutor:
         return install
 
     # -- plan -----------------------------------------------------------------------------------------
+    def join_model(self, lock: Any, shared: SharedBuffer) -> None:
+        """Run steps under the model's step lock (one step of its runtimes at a time) and, where the transfer
+        can, place copies in the model's shared buffer for this device (before this executor's first step)."""
+        with lock:
+            self._lock = lock
+            share = getattr(self.transfer, "share", None)
+            if share is not None and getattr(self.transfer, "shareable", False):
+                share(shared)
+
     def set_plan(self, plan: Plan) -> StepActions:
         """Install ``plan``: precompute its action lists and acquire its resident weights lazily."""
+        with self._lock:  # not during a step of the model's runtimes (the shared buffer may grow)
+            return self._set_plan(plan)
+
+    def _set_plan(self, plan: Plan) -> StepActions:
         actions = build_actions(self.units, plan, self.transfer.nbytes)
         nbytes = {w.input_index: w.nbytes for u in self.units for w in u.weights}
         self.transfer.set_actions(actions, [[nbytes[w] for w in ws] for ws in actions.batches])
@@ -229,7 +243,8 @@ class OffloadExecutor:
             resident.fill(args, env, self.transfer, compute, changed)
             events: list[Any] = [None] * len(actions.batches)
             try:
-                self.transfer.begin_step(args)
+                if self.transfer.begin_step(args):  # another runtime of the model wrote the shared buffer
+                    self._carry = {}
                 self._start(args, env, events, actions, changed)
                 self._units(args, env, events, actions, compute, timer)
             except BaseException:

@@ -56,8 +56,9 @@ class WeightTransfer(Protocol):
         """A step failed part way: weights it fetched will not be released."""
         ...
 
-    def begin_step(self, args: Sequence[Any]) -> None:
-        """A step starts with these inputs (weights at the installed actions' input indices), before any fetch."""
+    def begin_step(self, args: Sequence[Any]) -> bool | None:
+        """A step starts with these inputs (weights at the installed actions' input indices), before any fetch;
+        True when copies kept from the last step (carried into this one) are gone and must be made again."""
         ...
 
     def rate(self, measured_Bps: float) -> float:
@@ -92,8 +93,9 @@ class PerTensorTransfer:
     def abort(self) -> None:
         """Nothing kept per step."""
 
-    def begin_step(self, args: Sequence[Any]) -> None:
+    def begin_step(self, args: Sequence[Any]) -> bool | None:
         """Nothing to prepare per step."""
+        return None
 
     def rate(self, measured_Bps: float) -> float:
         """Weights move at the measured host-to-device rate."""

@@ -53,6 +53,9 @@ def plan_fingerprint(actions: StepActions, sizes: Sequence[Sequence[int]]) -> st
 class ExchangeTransfer(UnitTransfer):
     """One shard per rank from the host, the rest over the interconnect (see the module docstring)."""
 
+    #: Its shards are planned for its own buffer with the other ranks: not shared with other runtimes.
+    shareable = False
+
     def __init__(self, backend: Backend, device: torch.device, group: Any, meta_group: Any,
                  identity: Identity) -> None:
         super().__init__(backend, device)
@@ -124,7 +127,7 @@ class ExchangeTransfer(UnitTransfer):
                     self.world, rate.item() / 1e9, measured_Bps / 1e9)
         return float(rate.item())
 
-    def begin_step(self, args: Sequence[Any]) -> None:
+    def begin_step(self, args: Sequence[Any]) -> bool | None:
         """Agree which batches are exchanged when any rank's streamed weights changed (first step of a plan)."""
         batches = self._batches
         signature = hash(tuple((id(args[w]), args[w].data_ptr()) for ws in batches for w in ws))
@@ -137,7 +140,7 @@ class ExchangeTransfer(UnitTransfer):
                 f"(it exited, crashed, or stopped calling the model; the group waits MAGI_EXCHANGE_TIMEOUT_S): {exc}"
             ) from exc
         if not flag.item():
-            return
+            return None
         self._signature = signature
         mine: list[Any] = []
         for b, ws in enumerate(batches):
@@ -150,6 +153,7 @@ class ExchangeTransfer(UnitTransfer):
             self._shards[b] = self._shard_copies(self._slots[b]) if ok else ()
         logger.info("magi exchange: %d of %d copy batches exchanged across %d ranks", sum(self._eligible),
                     len(batches), self.world)
+        return None
 
     def _batch_identity(self, b: int, hosts: Sequence[torch.Tensor]) -> Any:
         if self._buffer is None or b >= len(self._slots):

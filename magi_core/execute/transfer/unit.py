@@ -10,6 +10,7 @@ import torch
 
 from magi_core.execute.actions import StepActions, batch_lifetimes
 from magi_core.execute.transfer.base import PerTensorTransfer
+from magi_core.execute.transfer.shared import SharedBuffer
 from magi_core.plan.packing import pack
 from magi_core.plugin.facade import Backend
 
@@ -106,6 +107,9 @@ class UnitTransfer(PerTensorTransfer):
     to allocating, counted in :attr:`fallbacks`.
     """
 
+    #: Whether the model's other runtimes may place their batches in this transfer's buffer (:meth:`share`).
+    shareable = True
+
     def __init__(self, backend: Backend, device: torch.device) -> None:
         super().__init__(backend, device)
         self._current_stream = backend.device_module.current_stream
@@ -119,6 +123,10 @@ class UnitTransfer(PerTensorTransfer):
         self.buffer_bytes = 0
         #: Fetches that could not use their place and allocated instead.
         self.fallbacks = 0
+        #: The buffer shared with the model's other runtimes on this device (:meth:`share`), or None: its own.
+        self.shared: SharedBuffer | None = None
+        #: The compute stream of the last step begun (a runtime taking the shared buffer over waits for it).
+        self.last_compute: Any = None
 
     def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
         """Place ``actions``' copy batches (``sizes``: bytes of each batch's weights) in a new device buffer."""
@@ -132,9 +140,56 @@ class UnitTransfer(PerTensorTransfer):
             for b in range(len(slot_bytes))
         ]
         self.buffer_bytes = packing.total
-        if packing.total:  # allocated on the copy stream, which writes it first
-            with self._stream_ctx(self.copy_stream):
-                self._buffer = torch.empty(packing.total, dtype=torch.uint8, device=self.device)
+        if self.shared is not None:
+            self._buffer = self.shared.ensure(packing.total, self._alloc) if packing.total else None
+        elif packing.total:
+            self._buffer = self._alloc(packing.total)
+
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        """A device buffer of ``nbytes``, allocated on the copy stream, which writes it first."""
+        with self._stream_ctx(self.copy_stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def share(self, shared: SharedBuffer) -> None:
+        """Place the batches in ``shared`` (the model's other runtimes' buffer) from now on, instead of a buffer
+        of this transfer's own (callers hold the model's step lock)."""
+        self._drop_buffer()
+        self.shared = shared
+        shared.join(self)
+        if self.buffer_bytes:
+            self._buffer = shared.ensure(self.buffer_bytes, self._alloc)
+
+    def forget_buffer(self, old: torch.Tensor) -> None:
+        """The shared buffer ``old`` is being replaced: drop every view of it (after this transfer's streams)."""
+        if self._needs_release:
+            self._record_stream(old, self.copy_stream)
+            if self.last_compute is not None:
+                self._record_stream(old, self.last_compute)
+        self._forget_views()
+        self._buffer = None
+
+    def begin_step(self, args: Sequence[Any]) -> bool | None:
+        """Take the shared buffer's turn (if shared); True when another runtime wrote it since this one's last
+        step, so batches carried over from that step are gone (every place counts as free again)."""
+        compute = self._current_stream()
+        shared = self.shared
+        lost = False
+        if shared is not None:
+            if self._buffer is not shared.tensor and self.buffer_bytes:
+                self._forget_views()
+                self._buffer = shared.ensure(self.buffer_bytes, self._alloc)
+            lost = shared.claim(self, compute)
+            if not lost and compute is not self.last_compute and shared.tensor is not None and self._needs_release:
+                self._record_stream(shared.tensor, compute)  # a new compute stream reads it too
+            if lost:
+                self.abort()
+        self.last_compute = compute
+        return lost
+
+    @property
+    def device_buffer(self) -> torch.Tensor | None:
+        """The device buffer the batches are placed in now (shared with other runtimes when :attr:`shared`)."""
+        return self._buffer
 
     def _place_bytes(self, sizes: Sequence[int]) -> int:
         """Bytes of a batch's place for weights of these sizes (each aligned to :data:`WEIGHT_ALIGNMENT`)."""
@@ -145,6 +200,9 @@ class UnitTransfer(PerTensorTransfer):
         self._drop_buffer()
         self._slots = []
         self.buffer_bytes = 0
+        if self.shared is not None:
+            self.shared.leave(self)
+            self.shared = None
 
     def abort(self) -> None:
         """A step failed part way: no fetched weight will be released, so every place counts as free again."""
@@ -155,8 +213,14 @@ class UnitTransfer(PerTensorTransfer):
         if self._buffer is not None and self._needs_release:
             self._record_stream(self._buffer, self._current_stream())
         self._buffer = None
+        self._forget_views()
+
+    def _forget_views(self) -> None:
+        """Drop every view made of the buffer (made again at each batch's next fetch)."""
         self._typed = {}
         self._owner = {}
+        for slot in self._slots:
+            slot.key, slot.views, slot.copies = None, (), ()
 
     def fetch(
         self, hosts: Sequence[torch.Tensor], event: Any = None, batch: int | None = None

@@ -1,0 +1,82 @@
+"""One device copy buffer for the runtimes of one model on one device (one per input shape or graph).
+
+Each runtime's plan places its copy batches in a buffer of its own size (:class:`~magi_core.execute.transfer.
+unit.UnitTransfer`); runtimes of one model run one step at a time (the model's handle gives them one step lock),
+so they can take turns in one buffer, sized for the largest: device memory for copies is the largest plan's
+buffer, not the sum over input shapes. Taking turns costs what a turn overwrote: the copies a runtime carried
+into its next step (issued during its last step's tail) are gone once another runtime ran, so that runtime
+copies them again at its step start (:meth:`SharedBuffer.claim` says when). Device order: a runtime taking
+over makes its copy stream wait for the previous one's compute and copy streams, so nothing it writes lands
+before the previous runtime's queued work is done with the bytes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from magi_core.execute.transfer.unit import UnitTransfer
+
+
+class SharedBuffer:
+    """The copy buffer the runtimes of one model share on one device (callers hold the model's step lock)."""
+
+    def __init__(self, record_stream: Callable[[torch.Tensor, Any], None], event: Callable[[], Any]) -> None:
+        self._record_stream = record_stream
+        self._event = event
+        self.tensor: torch.Tensor | None = None
+        self._sharers: weakref.WeakSet[UnitTransfer] = weakref.WeakSet()
+        self._owner: weakref.ref[UnitTransfer] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer now (0 before any runtime needed one)."""
+        return 0 if self.tensor is None else int(self.tensor.numel())
+
+    def join(self, t: UnitTransfer) -> None:
+        """``t`` places its batches in this buffer from now on."""
+        self._sharers.add(t)
+
+    def ensure(self, nbytes: int, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+        """The buffer, sized for the largest of ``nbytes`` and the sharers' plans (made again when that changed:
+        the old one is freed after every sharer's queued work)."""
+        need = max([nbytes, *(s.buffer_bytes for s in self._sharers)])
+        if need == self.nbytes or need == 0:
+            return self.tensor
+        old = self.tensor
+        if old is not None:
+            for s in list(self._sharers):
+                s.forget_buffer(old)  # drops its views, ordering the old bytes' reuse after its streams
+        self.tensor = alloc(nbytes)
+        self._owner = None
+        return self.tensor
+
+    def claim(self, t: UnitTransfer, compute_stream: Any) -> bool:
+        """Make ``t`` the runtime whose copies the buffer holds; True when another one wrote it since ``t`` last
+        did (what ``t`` carried over is gone). ``t``'s copy stream then waits for the previous one's streams."""
+        prev = self._owner() if self._owner is not None else None
+        if prev is t:
+            return False
+        if prev is not None:
+            for stream in (prev.copy_stream, prev.last_compute):
+                if stream is not None:
+                    ev = self._event()
+                    ev.record(stream)
+                    t.copy_stream.wait_event(ev)
+        if self.tensor is not None:  # its memory is reused only after this runtime's streams are done with it
+            self._record_stream(self.tensor, t.copy_stream)
+            self._record_stream(self.tensor, compute_stream)
+        self._owner = weakref.ref(t)
+        return True
+
+    def leave(self, t: UnitTransfer) -> None:
+        """``t`` is closing; the buffer goes when no runtime uses it any more."""
+        self._sharers.discard(t)
+        if self._owner is not None and self._owner() is t:
+            self._owner = None
+        if not self._sharers:
+            self.tensor = None
