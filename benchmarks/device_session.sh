@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|load|first-step|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|load|first-step|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset).
@@ -31,6 +31,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     --junitxml="$OUT/conformance.xml" 2>&1 | tee "$OUT/conformance.log" || rc=1
   python3 -m pytest -q -rs -m "accelerator" tests backends/cuda/tests -p no:cacheprovider --durations=20 \
     --junitxml="$OUT/accel.xml" 2>&1 | tee "$OUT/accel.log" || rc=1
+  # the executor suites that run on whichever backend is active: here on CUDA (real streams, caching allocator)
+  python3 -m pytest -q -rs tests/test_executor.py tests/test_threads.py tests/test_weight_updates.py \
+    tests/test_handle.py -p no:cacheprovider --junitxml="$OUT/executor-cuda.xml" 2>&1 | tail -n 15 \
+    | tee "$OUT/executor-cuda.log" || rc=1
 fi
 if [ "$what" = demo ] || [ "$what" = all ]; then
   python3 -m magi_core demo --no-progress 2>&1 | tee "$OUT/demo.log" || rc=1
@@ -65,6 +69,19 @@ fi
 if [ "$what" = real-wan ]; then
   python3 -m magi_core bench --models wan14b --tokens 2184,16380 --grid full --ratios 0,0.5,1 --budgets 0.5 \
     --time-budget "${MAGI_BENCH_BUDGET:-480}" --out "$OUT/part-wan14b-2184-16380.json" 2>&1 | tail -n 40 || rc=1
+fi
+if [ "$what" = real-r0 ]; then  # ratio 0 where the rotary-table fix and the shared copy buffer show
+  python3 -m magi_core bench --models wan14b --tokens 2184,16380 --policies HEURISTIC --ratios 0 --budgets "" \
+    --systems resident_compiled,magi --no-overhead-probe --time-budget "${MAGI_BENCH_BUDGET:-300}" \
+    --out "$OUT/part-wan14b-r0.json" 2>&1 | tail -n 12 || rc=1
+fi
+if [ "$what" = real-gaps ]; then  # the grid's runs cut by earlier time budgets
+  python3 -m magi_core bench --models llama8b --tokens 8192,16384 --policies BASE --grid full --ratios 0,0.5 --budgets 0.5 \
+    --systems magi --no-overhead-probe --time-budget "${MAGI_BENCH_BUDGET:-250}" \
+    --out "$OUT/part-llama8b-base.json" 2>&1 | tail -n 12 || rc=1
+  python3 -m magi_core bench --models wan14b --tokens 2184,16380 --policies COST_EFFECTIVE,BASE --grid full --ratios 0,0.5 \
+    --budgets 0.5 --systems magi,accelerate --no-overhead-probe --time-budget "${MAGI_BENCH_BUDGET:-250}" \
+    --out "$OUT/part-wan14b-base-ce.json" 2>&1 | tail -n 12 || rc=1
 fi
 if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate against the page cache
   ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/load-rate
