@@ -474,3 +474,15 @@ def test_input_shapes_take_turns_in_one_copy_buffer():
     with torch.no_grad():  # the same shape twice: its carried copies survive
         close(f(xs[1]), refs[1])
         close(f(xs[1]), refs[1])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_second_shape_streams_in_the_shared_buffer_under_a_budget_the_first_filled(policy):
+    """The first shape fills the budget (resident weights and its copy buffer); the second keeps the same weights
+    resident and streams the rest through the copy buffer it shares: no more than the budget on the device."""
+    model = TableStack(n=8).eval()
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    budget = int(0.7 * weights)
+    rts = _two_shapes(model, policy=policy, device_memory_budget_bytes=budget, transfer="unit")
+    assert _on_device(rts) <= budget
+    assert rts[0].resident_hosts and set(rts[0].resident_hosts) <= set(rts[1].resident_hosts)

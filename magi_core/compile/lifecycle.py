@@ -172,8 +172,8 @@ class OffloadLifecycle:
             if budget is None:
                 return plan, actions
             new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
-            # a copy buffer shared with the peers grows only by what this plan needs beyond theirs
-            used = sum(new.values()) + max(0, _buffer_bytes(self) - self._peer_buffer)
+            # a copy buffer shared with the peers: the larger of their plans' need and this one's
+            used = sum(new.values()) + max(_buffer_bytes(self), self._peer_buffer)
             allowed = config.device_memory_budget_bytes
             assert allowed is not None
             if used <= allowed:
@@ -213,7 +213,7 @@ class OffloadLifecycle:
         same = [r for r in peers if shared_buf is not None and getattr(r.executor.transfer, "shared", None)
                 is shared_buf]
         self._peer_buffer = max((_buffer_bytes(r) for r in same), default=0)
-        buffers = self._peer_buffer + sum(_buffer_bytes(r) for r in peers if r not in same)
+        buffers = sum(_buffer_bytes(r) for r in peers if r not in same)  # the shared one is this plan's too
         units = self.executor.units
         owner = weight_owners(units)
         owned: dict[int, list[int]] = {}
@@ -232,7 +232,8 @@ class OffloadLifecycle:
             others = sum(held.values()) + buffers
             self._peer_note = (
                 f"{len(peers)} other compiled graph(s) of this model (other input shapes or graph breaks) already "
-                f"hold {others} bytes of the budget ({budget}) on {self.executor.device}: raise the budget, call the "
+                f"hold {others + self._peer_buffer} bytes of the budget ({budget}) on {self.executor.device}, "
+                f"{self._peer_buffer} of them in the copy buffer they share with it: raise the budget, call the "
                 "model with fewer input shapes (pad them, or torch.compile(dynamic=True) so one graph serves them), "
                 "or release the model and offload again"
             )
