@@ -198,7 +198,8 @@ class OffloadLifecycle:
         and the host tensors those keep resident (with their bytes).
 
         The resident cap of ``gpu_resident_weight_ratio`` shrinks by this graph's weights the others keep;
-        ``device_memory_budget_bytes`` by everything the others hold (resident weights and copy buffers).
+        ``device_memory_budget_bytes`` by everything the others hold (resident weights, copy buffers), except the
+        copy buffer this runtime shares with them, whose room it plans with as its own (:meth:`_fit` counts it).
         """
         peers = [r for r in (self.peers() if self.peers is not None else ())
                  if r is not self and r._planned and r.executor.device == self.executor.device]
