@@ -20,6 +20,30 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 
+def call_from_threads(model: torch.nn.Module, xs: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """Call ``model`` 5 times on ``xs[k]`` from thread ``k``, all starting at once; the outputs per thread."""
+    errors: list[BaseException] = []
+    outs: dict[int, list[torch.Tensor]] = {k: [] for k in range(len(xs))}
+    start = threading.Barrier(len(xs))
+
+    def worker(k: int) -> None:
+        try:
+            start.wait()
+            with torch.no_grad():
+                for _ in range(5):
+                    outs[k].append(model(xs[k]))
+        except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return outs
+
+
 @pytest.mark.parametrize("ratio,transfer", [(0.0, "auto"), (0.5, "auto"), (0.0, "unit")])
 def test_first_call_from_many_threads(shm_dir: str, ratio: float, transfer: str) -> None:
     # "unit": every step copies into the same planned device buffer (real copies on the CPU too), so steps of
@@ -31,26 +55,8 @@ def test_first_call_from_many_threads(shm_dir: str, ratio: float, transfer: str)
         refs = [model(x) for x in xs]
     magi_core.offload(model, magi_core.OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=ratio,
                                                      unit_compiler="eager", transfer=transfer))
-    errors: list[BaseException] = []
-    outs: dict[int, list[torch.Tensor]] = {k: [] for k in range(THREADS)}
-    start = threading.Barrier(THREADS)
-
-    def worker(k: int) -> None:
-        try:
-            start.wait()
-            with torch.no_grad():
-                for _ in range(5):
-                    outs[k].append(model(xs[k]))
-        except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        outs = call_from_threads(model, xs)
         for k in range(THREADS):
             for out in outs[k]:
                 close(out, refs[k])
@@ -63,7 +69,8 @@ def test_first_call_from_many_threads(shm_dir: str, ratio: float, transfer: str)
 
 def test_threads_with_two_input_shapes_plan_one_at_a_time_within_the_ratio(shm_dir: str) -> None:
     """Threads calling with two input shapes from the first call: two runtimes plan, one after the other, and
-    together keep at most the ratio of the weights resident (what one keeps, the other uses too)."""
+    together keep at most the ratio of the weights resident (what one keeps, the other uses too); they take
+    turns in one copy buffer ("unit" copies for real on the CPU too)."""
     torch._dynamo.reset()
     model = build_transformer(SPEC)
     xs = [example_input(SPEC, tokens=5 + 2 * (s % 2), seed=s) for s in range(THREADS)]
@@ -71,28 +78,16 @@ def test_threads_with_two_input_shapes_plan_one_at_a_time_within_the_ratio(shm_d
         refs = [model(x) for x in xs]
     weights = sum(p.nbytes for p in model.parameters())
     magi_core.offload(model, magi_core.OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5,
-                                                     unit_compiler="eager"), dynamic=False)
-    errors: list[BaseException] = []
-    start = threading.Barrier(THREADS)
-
-    def worker(k: int) -> None:
-        try:
-            start.wait()
-            with torch.no_grad():
-                for _ in range(5):
-                    close(model(xs[k]), refs[k])
-        except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]
+                                                     unit_compiler="eager", transfer="unit"), dynamic=False)
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        rts = magi_core.handle(model).runtimes
-        assert len(rts) == 2 and all(r.phase == "planned" for r in rts)
+        outs = call_from_threads(model, xs)
+        for k in range(THREADS):
+            for out in outs[k]:
+                close(out, refs[k])
+        # two graphs, or on rare occasions a third: Dynamo may compile one again when threads race its guards
+        # (its log says "Unexpected recompilation"); every one that planned counts against the same ratio
+        rts = [r for r in magi_core.handle(model).runtimes if r.phase == "planned"]
+        assert len(rts) >= 2
         held: dict = {}
         for r in rts:
             held.update(r.resident_hosts)
