@@ -13,6 +13,7 @@ from magi_core.bench.models import TransformerSpec, build_transformer, example_i
 from magi_core.execute.actions import StepActions, batch_lifetimes
 from magi_core.execute.executor import make_transfer
 from magi_core.execute.transfer import PerTensorTransfer, UnitTransfer
+from magi_core.execute.transfer.shared import SharedBuffer
 from magi_core.plan.packing import overlaps, pack
 from magi_core.plugin.manager import get_backend
 
@@ -155,6 +156,29 @@ def test_unit_transfer_never_writes_a_place_still_in_use() -> None:
     t.abort()
     _fetch(t, w0, 0)
     assert t.fallbacks == 2
+
+
+def test_transfers_sharing_one_buffer_take_turns_and_size_it_for_the_largest_plan() -> None:
+    backend = get_backend()
+    shared = SharedBuffer(backend.record_stream, backend.device_module.Event)
+    small, large = _arena((8,), gap=0), _arena((4096,), gap=0)
+    a, b = _unit_transfer([small]), _unit_transfer([large])
+    a.share(shared)
+    assert shared.nbytes == a.buffer_bytes and a.device_buffer is shared.tensor
+    b.share(shared)  # grows it for b's plan; a drops its views of the old one and follows
+    assert shared.nbytes == b.buffer_bytes > a.buffer_bytes and a.device_buffer is None
+    assert a.begin_step(()) is True and a.device_buffer is shared.tensor  # the first turn: nothing carried
+    (out,) = _fetch(a, small, 0)
+    assert out.data_ptr() == shared.tensor.data_ptr() and torch.equal(out.cpu(), small[0])
+    a.release(out, None)
+    assert a.begin_step(()) is False  # its own turn again: what it carried is still there
+    assert b.begin_step(()) is True and a.begin_step(()) is True  # each turn of the other overwrote it
+    b.close()  # the buffer shrinks back to what the remaining plan needs once it is planned again
+    assert shared.tensor is not None
+    a.set_actions(a_actions := _actions([(0,)], free=[(0,)], issue=[(0,)]), [[small[0].nbytes]])
+    assert a_actions.batches and shared.nbytes == a.buffer_bytes
+    a.close()
+    assert shared.tensor is None  # nobody uses it any more
 
 
 @pytest.mark.parametrize("policy,ratio", [("BASE", 0.0), ("HEURISTIC", 0.0), ("COST_EFFECTIVE", 0.5)])

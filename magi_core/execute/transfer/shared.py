@@ -31,6 +31,8 @@ class SharedBuffer:
         self.tensor: torch.Tensor | None = None
         self._sharers: weakref.WeakSet[UnitTransfer] = weakref.WeakSet()
         self._owner: weakref.ref[UnitTransfer] | None = None
+        self._made: Any = None  # event recorded on the allocating stream when the buffer was made
+        self._waited: weakref.WeakSet[UnitTransfer] = weakref.WeakSet()
 
     @property
     def nbytes(self) -> int:
@@ -41,9 +43,9 @@ class SharedBuffer:
         """``t`` places its batches in this buffer from now on."""
         self._sharers.add(t)
 
-    def ensure(self, nbytes: int, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+    def ensure(self, nbytes: int, alloc: Callable[[int], torch.Tensor], stream: Any) -> torch.Tensor | None:
         """The buffer, sized for the largest of ``nbytes`` and the sharers' plans (made again when that changed:
-        the old one is freed after every sharer's queued work)."""
+        the old one is freed after every sharer's queued work). ``alloc`` allocates on ``stream``."""
         need = max([nbytes, *(s.buffer_bytes for s in self._sharers)])
         if need == self.nbytes or need == 0:
             return self.tensor
@@ -51,7 +53,12 @@ class SharedBuffer:
         if old is not None:
             for s in list(self._sharers):
                 s.forget_buffer(old)  # drops its views, ordering the old bytes' reuse after its streams
-        self.tensor = alloc(nbytes)
+        self.tensor = alloc(need)
+        # the allocator orders the new block after earlier work only on the allocating stream: other streams
+        # wait for this point before they first write or read it
+        self._made = self._event()
+        self._made.record(stream)
+        self._waited = weakref.WeakSet()
         self._owner = None
         return self.tensor
 
@@ -61,6 +68,9 @@ class SharedBuffer:
         prev = self._owner() if self._owner is not None else None
         if prev is t:
             return False
+        if self._made is not None and t not in self._waited:
+            t.copy_stream.wait_event(self._made)  # its compute stream reads only after its copy events
+            self._waited.add(t)
         if prev is not None:
             for stream in (prev.copy_stream, prev.last_compute):
                 if stream is not None:

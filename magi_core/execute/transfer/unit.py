@@ -141,7 +141,7 @@ class UnitTransfer(PerTensorTransfer):
         ]
         self.buffer_bytes = packing.total
         if self.shared is not None:
-            self._buffer = self.shared.ensure(packing.total, self._alloc) if packing.total else None
+            self._buffer = self.shared.ensure(packing.total, self._alloc, self.copy_stream) if packing.total else None
         elif packing.total:
             self._buffer = self._alloc(packing.total)
 
@@ -157,7 +157,7 @@ class UnitTransfer(PerTensorTransfer):
         self.shared = shared
         shared.join(self)
         if self.buffer_bytes:
-            self._buffer = shared.ensure(self.buffer_bytes, self._alloc)
+            self._buffer = shared.ensure(self.buffer_bytes, self._alloc, self.copy_stream)
 
     def forget_buffer(self, old: torch.Tensor) -> None:
         """The shared buffer ``old`` is being replaced: drop every view of it (after this transfer's streams)."""
@@ -177,7 +177,7 @@ class UnitTransfer(PerTensorTransfer):
         if shared is not None:
             if self._buffer is not shared.tensor and self.buffer_bytes:
                 self._forget_views()
-                self._buffer = shared.ensure(self.buffer_bytes, self._alloc)
+                self._buffer = shared.ensure(self.buffer_bytes, self._alloc, self.copy_stream)
             lost = shared.claim(self, compute)
             if not lost and compute is not self.last_compute and shared.tensor is not None and self._needs_release:
                 self._record_stream(shared.tensor, compute)  # a new compute stream reads it too
