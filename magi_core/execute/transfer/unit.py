@@ -179,7 +179,8 @@ class UnitTransfer(PerTensorTransfer):
                 self._forget_views()
                 self._buffer = shared.ensure(self.buffer_bytes, self._alloc, self.copy_stream)
             lost = shared.claim(self, compute)
-            if not lost and compute is not self.last_compute and shared.tensor is not None and self._needs_release:
+            # (streams compare by handle: current_stream() makes a new Python object each call)
+            if not lost and compute != self.last_compute and shared.tensor is not None and self._needs_release:
                 self._record_stream(shared.tensor, compute)  # a new compute stream reads it too
             if lost:
                 self.abort()
