@@ -137,6 +137,35 @@ def test_weight_edits_between_calls_are_seen(
         magi_core.release(model)
 
 
+@pytest.mark.parametrize("transfer", ["per_tensor", "unit"])
+def test_weight_edits_are_seen_by_every_input_shape(shm_dir: str, monkeypatch: pytest.MonkeyPatch,
+                                                    transfer: str) -> None:
+    # Two input shapes: two runtimes sharing resident device copies (and, with "unit", one copy buffer in
+    # turns); an edit must show in both, whichever runs first after it.
+    if transfer == "unit":
+        monkeypatch.setattr(executor_mod, "DEFAULT_TRANSFER", UnitTransfer)
+    model = build_transformer(SPEC)
+    ref = build_transformer(SPEC)
+    xs = [example_input(SPEC, tokens=5), example_input(SPEC, tokens=7, seed=1)]
+    magi_core.offload(model, magi_core.OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5,
+                                                     unit_compiler="eager"), dynamic=False)
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                for x in xs:
+                    close(model(x), ref(x))
+            assert len(magi_core.handle(model).runtimes) == 2
+            for k, (name, edit) in enumerate(EDITS.items()):
+                edit(model)
+                edit(ref)
+                order = xs if k % 2 == 0 else xs[::-1]
+                for _ in range(2):
+                    for x in order:
+                        close(model(x), ref(x), msg=f"after edit {name}, {x.shape[1]} tokens")
+    finally:
+        magi_core.release(model)
+
+
 @pytest.mark.parametrize("ratio", [0.0, 1.0])
 def test_buffer_edits_are_seen(shm_dir: str, ratio: float) -> None:
     model, ref = Scaled().eval(), Scaled().eval()
