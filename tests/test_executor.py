@@ -11,6 +11,7 @@ from helpers.tracking import HANDLES, compile_tracked, compiles, newest
 from test_executor_models import Layer, MixedStack, TableStack, TiedLM, TupleKw
 
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.compile.lifecycle import default_planner
 from magi_core.errors import ConfigError
 from magi_core.execute import executor as executor_mod
 from magi_core.execute.residency import RESIDENT
@@ -410,6 +411,38 @@ def test_one_graph_fits_the_budget_with_its_copy_buffer():
             close(f(x), model(x))
     (rt,) = HANDLES[-1].runtimes
     assert rt.resident_hosts and _on_device([rt]) <= budget
+
+
+@pytest.mark.parametrize("policy", ["BASE", "COST_EFFECTIVE", "HEURISTIC"])
+@pytest.mark.parametrize("share", [0.35, 0.55, 0.75])
+def test_budget_fit_installs_a_measured_plan_that_keeps_what_fits(policy, share):
+    """Under a budget, candidate plans are measured with the copy buffer they need before one is installed: the
+    installed plan fits, its buffer is the one measured, and it keeps weights resident whenever a plan for some
+    smaller planning budget would fit with resident weights (session 7's refit compared each round with an already
+    shrunk budget and could end with nothing resident)."""
+    model = TableStack(n=7).eval()
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    budget = int(share * weights)
+    f = compile_tracked(model, options={"unit_compiler": "eager", "warmup_calls": 2, "policy": policy,
+                                        "device_memory_budget_bytes": budget})
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for _ in range(4):
+            close(f(x), model(x))
+    (rt,) = HANDLES[-1].runtimes
+    ex = rt.executor
+    assert _on_device([rt]) <= budget
+    assert ex.footprint(ex.plan)[1] == getattr(ex.transfer, "buffer_bytes", 0)
+    fitting_with_residency = False
+    for b in range(budget, 0, -max(1, budget // 50)):
+        try:
+            plan = default_planner(rt.profiles, rt.bandwidth_Bps, rt.config.replace(device_memory_budget_bytes=b))
+        except ConfigError:
+            break
+        actions, buffer = ex.footprint(plan)
+        fitting_with_residency |= bool(actions.resident) and actions.resident_bytes + buffer <= budget
+    if fitting_with_residency:
+        assert ex.actions.resident_bytes > 0
 
 
 def test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget():

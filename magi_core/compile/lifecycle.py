@@ -37,8 +37,10 @@ logger = logging.getLogger(__name__)
 Planner = Callable[[Sequence[UnitProfile], float, OffloadConfig], Plan]
 BandwidthFn = Callable[[], float]
 
-#: Plans tried to fit ``device_memory_budget_bytes`` with what the installed plan really holds.
-_FIT_ROUNDS = 4
+#: Plans tried to fit ``device_memory_budget_bytes`` with what the plan really holds (with its copy buffer).
+_FIT_ROUNDS = 6
+#: The bisection stops when the planning budgets that fit and do not fit are this close (share of the budget).
+_FIT_RESOLUTION = 1 / 64
 
 _bw_lock = threading.Lock()
 _bw_cache: dict[tuple[str, int], float] = {}
@@ -154,41 +156,64 @@ class OffloadLifecycle:
 
     def _fit(self, profiles: list[UnitProfile], bandwidth_Bps: float, config: OffloadConfig, shared: frozenset[int],
              held: dict[tuple[int, int], int], args: Sequence[Any]) -> tuple[Plan, StepActions]:
-        """Plan and install; under ``device_memory_budget_bytes``, re-plan with less until what the installed plan
-        holds fits: its new resident weights plus the transfer's copy buffer (a buffer of fixed places can need
-        one unit more than the plan's own peak, e.g. when an odd number of batches cycle through two places)."""
-        budget = config.device_memory_budget_bytes
+        """Plan and install; under ``device_memory_budget_bytes``, the plan whose real footprint fits: its new
+        resident weights plus the copy buffer its batches need (fixed places can need a unit more than the plan's
+        own peak, e.g. when an odd number of batches cycle through two places), found by planning with less.
+
+        Candidates are measured, not installed (:meth:`OffloadExecutor.footprint`): the planner's budget first
+        drops by what the plan held beyond its prediction, then is bisected back up between the largest budget
+        that fitted and the smallest that did not; the fitting plan with the shortest predicted step is installed.
+        """
+        limit = config.device_memory_budget_bytes
+        if limit is None:
+            plan = self._plan(profiles, bandwidth_Bps, config, shared)
+            return plan, self.executor.set_plan(plan)
+        fits: list[Plan] = []
+        budget, ok, failed, extra, used = limit, 0, None, 0, 0
         for _ in range(_FIT_ROUNDS):
-            try:
-                plan = self._planner(profiles, bandwidth_Bps, config)
-            except ConfigError as e:
-                if not self._peer_note:
-                    raise
-                raise ConfigError(f"{e}. {self._peer_note}") from e
-            if shared:
-                plan = dataclasses.replace(plan, resident=plan.resident | shared)
-                plan.validate(self.profiles or profiles)
-            actions = self.executor.set_plan(plan)
-            if budget is None:
-                return plan, actions
+            plan = self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=budget), shared)
+            actions, buffer = self.executor.footprint(plan)
             new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
             # a copy buffer shared with the peers: the larger of their plans' need and this one's
-            used = sum(new.values()) + max(_buffer_bytes(self), self._peer_buffer)
-            allowed = config.device_memory_budget_bytes
-            assert allowed is not None
-            if used <= allowed:
-                return plan, actions
-            if allowed - (used - allowed) <= 0:
+            used = sum(new.values()) + max(buffer, self._peer_buffer)
+            if used <= limit:
+                fits.append(plan)
+                ok = budget
+            else:
+                failed = budget
+                predicted = plan.notes.get("peak_device_bytes")
+                extra = max(extra, used - int(predicted) if predicted is not None else used - limit)
+            if failed is None or failed - ok <= limit * _FIT_RESOLUTION:
                 break
-            logger.info("magi offload: the installed plan holds %d bytes for a budget of %d; planning with less",
-                        used, allowed)
-            config = config.replace(device_memory_budget_bytes=allowed - (used - allowed))
-        raise ConfigError(
-            f"OffloadConfig.device_memory_budget_bytes={self.config.device_memory_budget_bytes} is too small for this "
-            f"graph on {self.executor.device}: its weights on the device take {used} bytes with what fits "
-            f"({allowed} bytes left for it); raise the budget, or split units further with max_unit_bytes"
-            + (f". {self._peer_note}" if self._peer_note else "")
-        )
+            # less by what the plans held beyond their prediction (at least this one's excess), then bisect up
+            tried, budget = budget, (ok + failed) // 2 if fits else min(limit - extra, budget - (used - limit))
+            if budget <= 0:
+                break
+            logger.info("magi offload: planned for %d bytes, the plan holds %d with its copy buffer (budget %d); "
+                        "planning for %d", tried, used, limit, budget)
+        if not fits:
+            raise ConfigError(
+                f"OffloadConfig.device_memory_budget_bytes={self.config.device_memory_budget_bytes} is too small for "
+                f"this graph on {self.executor.device}: its weights on the device take {used} bytes with what fits "
+                f"({limit} bytes left for it); raise the budget, or split units further with max_unit_bytes"
+                + (f". {self._peer_note}" if self._peer_note else "")
+            )
+        plan = min(fits, key=lambda p: p.predicted_step_ms)
+        return plan, self.executor.set_plan(plan)
+
+    def _plan(self, profiles: list[UnitProfile], bandwidth_Bps: float, config: OffloadConfig,
+              shared: frozenset[int]) -> Plan:
+        """The planner's plan, with the units the peers keep resident resident here too."""
+        try:
+            plan = self._planner(profiles, bandwidth_Bps, config)
+        except ConfigError as e:
+            if not self._peer_note:
+                raise
+            raise ConfigError(f"{e}. {self._peer_note}") from e
+        if shared:
+            plan = dataclasses.replace(plan, resident=plan.resident | shared)
+            plan.validate(self.profiles or profiles)
+        return plan
 
     def _share_with_peers(
         self, profiles: list[UnitProfile], args: Sequence[Any]

@@ -178,10 +178,20 @@ class OffloadExecutor:
         with self._lock:  # not during a step of the model's runtimes (the shared buffer may grow)
             return self._set_plan(plan)
 
+    def footprint(self, plan: Plan) -> tuple[StepActions, int]:
+        """``plan``'s action lists and the bytes of the copy buffer the transfer would need for them (0 for one
+        that allocates per copy), without installing anything."""
+        actions = build_actions(self.units, plan, self.transfer.nbytes)
+        need = getattr(self.transfer, "buffer_need", None)
+        return actions, int(need(actions, self._batch_sizes(actions))) if need is not None else 0
+
+    def _batch_sizes(self, actions: StepActions) -> list[list[int]]:
+        nbytes = {w.input_index: w.nbytes for u in self.units for w in u.weights}
+        return [[nbytes[w] for w in ws] for ws in actions.batches]
+
     def _set_plan(self, plan: Plan) -> StepActions:
         actions = build_actions(self.units, plan, self.transfer.nbytes)
-        nbytes = {w.input_index: w.nbytes for u in self.units for w in u.weights}
-        self.transfer.set_actions(actions, [[nbytes[w] for w in ws] for ws in actions.batches])
+        self.transfer.set_actions(actions, self._batch_sizes(actions))
         old = self.resident
         self.resident = ResidentSet(self._store, self.device, actions.resident)
         if old is not None:

@@ -122,9 +122,10 @@ def plan_with_limits(
 ) -> Plan:
     """Run ``build(resident_cap)`` under the config's ratio, or fit ``device_memory_budget_bytes``.
 
-    With a budget, the resident cap starts at the budget and shrinks by the predicted excess until the
-    plan's predicted peak fits; if even nothing resident does not fit, ``fallback()`` (if any) is tried,
-    then :class:`ConfigError` says how much the budget must be.
+    With a budget, the resident cap starts at the budget and, while the plan's predicted peak does not fit,
+    drops to the plan's resident bytes less the excess (a cap between two units' sizes would change nothing:
+    shrinking the cap itself by a small excess could take hundreds of rounds); if even nothing resident does
+    not fit, ``fallback()`` (if any) is tried, then :class:`ConfigError` says how much the budget must be.
     """
     check_profiles(profiles)
     budget = config.device_memory_budget_bytes
@@ -144,7 +145,8 @@ def plan_with_limits(
         if peak <= budget:
             plan.notes["resident_budget_bytes"] = float(cap)
             return plan
-        cap = 0 if len(tried) >= _MAX_FIT_ROUNDS else max(0, cap - max(peak - budget, smallest))
+        held = sum(profiles[u].weight_bytes for u in plan.resident)
+        cap = 0 if len(tried) >= _MAX_FIT_ROUNDS else max(0, min(cap, held) - max(peak - budget, smallest))
     candidates = [plan] + ([fallback()] if fallback is not None else [])
     fits = [p for p in candidates if p.notes["peak_device_bytes"] <= budget]
     if fits:

@@ -11,7 +11,7 @@ import torch
 from magi_core.execute.actions import StepActions, batch_lifetimes
 from magi_core.execute.transfer.base import PerTensorTransfer
 from magi_core.execute.transfer.shared import SharedBuffer
-from magi_core.plan.packing import pack
+from magi_core.plan.packing import Packing, pack
 from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
@@ -128,11 +128,18 @@ class UnitTransfer(PerTensorTransfer):
         #: The compute stream of the last step begun (a runtime taking the shared buffer over waits for it).
         self.last_compute: Any = None
 
+    def buffer_need(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> int:
+        """Bytes of the device buffer :meth:`set_actions` would place these batches in (nothing is allocated)."""
+        return self._packing(actions, sizes)[1].total
+
+    def _packing(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> tuple[list[int], Packing]:
+        slot_bytes = [self._place_bytes(ws) for ws in sizes]
+        return slot_bytes, pack(slot_bytes, batch_lifetimes(actions), BATCH_ALIGNMENT)
+
     def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
         """Place ``actions``' copy batches (``sizes``: bytes of each batch's weights) in a new device buffer."""
         self._drop_buffer()
-        slot_bytes = [self._place_bytes(ws) for ws in sizes]
-        packing = pack(slot_bytes, batch_lifetimes(actions), BATCH_ALIGNMENT)
+        slot_bytes, packing = self._packing(actions, sizes)
         carried = set(actions.carry)
         at_start = {b for b in actions.start if b not in carried}
         self._slots = [
