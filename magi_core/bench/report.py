@@ -85,9 +85,20 @@ def runs_table(doc: dict[str, Any], workload: str, tokens: int) -> list[str]:
             f"{human_bytes(r['peak_alloc_bytes'])} | {human_bytes(r['peak_reserved_bytes'])} | "
             f"{_f(r.get('pinned_over_weights'), '{:.4f}')} | {_f(r.get('copy_GBps'), '{:.2f}')} | "
             f"{_f(r.get('setup_s'), '{:.2f}')} | {_f(r.get('first_call_s'), '{:.2f}')} | {r['recompiles']} | "
-            f"{_f(r.get('max_rel_err'), '{:.2e}')} | {_status(r)} |"
+            f"{_error(r)} | {_status(r)} |"
         )
     return lines
+
+
+def _error(r: dict[str, Any]) -> str:
+    """Max rel err against the process's first run; '-' for that run itself, the reference named when it is not a
+    resident run (a part of a merged grid that ran magi-core alone compares its configurations with each other)."""
+    ref = r.get("error_reference")
+    if ref is None or ref.startswith("resident"):
+        return _f(r.get("max_rel_err"), "{:.2e}")
+    if ref == r["label"]:
+        return "-"
+    return f"{_f(r.get('max_rel_err'), '{:.2e}')} vs {ref.removeprefix('magi ')}"
 
 
 def _target_value(t: dict[str, Any]) -> str:
