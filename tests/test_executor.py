@@ -298,6 +298,59 @@ class _CarryFirstTwo:
         return assemble("CARRY_TWO", profiles, frozenset(), at, head, bandwidth_Bps, {})
 
 
+class _CarryThenWide:
+    """A test policy: its first plan carries the first two streamed units into the next step (look-ahead 1), its
+    later plans look three units ahead (more copy places: a larger copy buffer)."""
+
+    plans = 0
+
+    def plan(self, profiles, bandwidth_Bps, config):  # type: ignore[no-untyped-def]
+        type(self).plans += 1
+        if type(self).plans == 1:
+            return _CarryFirstTwo().plan(profiles, bandwidth_Bps, config)
+        return lookahead_plan("WIDE", profiles, frozenset(), 3, bandwidth_Bps)
+
+
+def test_a_grown_shared_copy_buffer_is_freed_before_the_new_one_is_made():
+    """A second input shape whose plan needs a larger shared copy buffer replaces it: the first shape's carried
+    copies (views of the old buffer) are dropped with it, so the old buffer is gone, not kept beside the new one
+    (on the H200 that doubled a 1.9 GB buffer), and the first shape copies them again at its next step."""
+    _CarryThenWide.plans = 0
+    register_policy("carry_then_wide", _CarryThenWide)
+    try:
+        model = TableStack(n=6).eval()
+        xs = [torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (3, 5)]
+        f = compile_tracked(model, dynamic=False, options={
+            "unit_compiler": "eager", "warmup_calls": 2, "policy": "carry_then_wide",
+            "gpu_resident_weight_ratio": 0.0, "transfer": "unit"})
+        with torch.no_grad():
+            refs = [model(x) for x in xs]
+            for _ in range(4):
+                close(f(xs[0]), refs[0])
+            (first,) = HANDLES[-1].runtimes
+            shared = first.executor.transfer.shared
+            assert shared is not None and first.executor._carry, "the first plan carries copies across calls"
+            old_bytes, old_at = shared.nbytes, shared.tensor.data_ptr()
+            dm = get_backend().device_module
+            counts = get_backend().is_accelerator and hasattr(dm, "max_memory_allocated")
+            if counts:
+                dm.synchronize()
+                before = dm.memory_allocated()
+                dm.reset_peak_memory_stats()
+            for _ in range(4):
+                close(f(xs[1]), refs[1])
+            assert shared.nbytes > old_bytes, "the second plan needs a larger buffer"
+            kept = [t.data_ptr() for c in first.executor._carry.values() for t in c.devs]
+            assert not any(old_at <= p < old_at + old_bytes for p in kept), "carried views keep the old buffer alive"
+            if counts:  # on a device that counts its memory: never both buffers at once
+                assert dm.max_memory_allocated() - (before - old_bytes) < shared.nbytes + old_bytes // 2
+            for _ in range(2):  # both shapes stay exact on the new buffer, the first copying its carry again
+                for x, ref in zip(xs, refs, strict=True):
+                    close(f(x), ref)
+    finally:
+        unregister_policy("carry_then_wide")
+
+
 def test_table_every_unit_reads_does_not_keep_its_first_unit_alive():
     """A small buffer all layers read (a rotary table) is owned by the first layer's unit: that unit's weights are
     still carried into the next step, the table is not (this step still reads it), and outputs stay exact."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,13 @@ class UnitTimerLike:
 class _Carry:
     devs: list[torch.Tensor]
     event: Any
+
+
+def _drop_carry(ref: weakref.ref[OffloadExecutor]) -> None:
+    """Forget an executor's carried copies (their buffer is being replaced; its next step copies them again)."""
+    ex = ref()
+    if ex is not None:
+        ex._carry = {}
 
 
 @dataclass
@@ -171,6 +179,8 @@ class OffloadExecutor:
             self._lock = lock
             share = getattr(self.transfer, "share", None)
             if share is not None and getattr(self.transfer, "shareable", False):
+                me = weakref.ref(self)
+                self.transfer.on_forget = lambda: _drop_carry(me)  # type: ignore[attr-defined]
                 share(shared)
 
     def set_plan(self, plan: Plan) -> StepActions:

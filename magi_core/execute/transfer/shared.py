@@ -45,14 +45,18 @@ class SharedBuffer:
 
     def ensure(self, nbytes: int, alloc: Callable[[int], torch.Tensor], stream: Any) -> torch.Tensor | None:
         """The buffer, sized for the largest of ``nbytes`` and the sharers' plans (made again when that changed:
-        the old one is freed after every sharer's queued work). ``alloc`` allocates on ``stream``."""
+        the old one is freed first, after every sharer's queued work). ``alloc`` allocates on ``stream``."""
         need = max([nbytes, *(s.buffer_bytes for s in self._sharers)])
         if need == self.nbytes or need == 0:
             return self.tensor
-        old = self.tensor
-        if old is not None:
-            for s in list(self._sharers):
-                s.forget_buffer(old)  # drops its views, ordering the old bytes' reuse after its streams
+        if self.tensor is not None:
+            # every sharer drops its views (carried copies too); the host waits for the work queued on the old
+            # bytes, so they are free before the new buffer is made: the device never holds both (planning is
+            # rare, a wait there costs nothing per step)
+            done = [ev for s in list(self._sharers) for ev in s.forget_buffer(self.tensor)]
+            self.tensor = None
+            for ev in done:
+                ev.synchronize()
         self.tensor = alloc(need)
         # the allocator orders the new block after earlier work only on the allocating stream: other streams
         # wait for this point before they first write or read it

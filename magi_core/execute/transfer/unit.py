@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -127,6 +127,9 @@ class UnitTransfer(PerTensorTransfer):
         self.shared: SharedBuffer | None = None
         #: The compute stream of the last step begun (a runtime taking the shared buffer over waits for it).
         self.last_compute: Any = None
+        #: Called when the shared buffer is replaced: whoever keeps views of it across steps (the executor's
+        #: carried copies) drops them, so the old buffer's memory is free before the new one is made.
+        self.on_forget: Callable[[], None] | None = None
 
     def buffer_need(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> int:
         """Bytes of the device buffer :meth:`set_actions` would place these batches in (nothing is allocated)."""
@@ -166,14 +169,22 @@ class UnitTransfer(PerTensorTransfer):
         if self.buffer_bytes:
             self._buffer = shared.ensure(self.buffer_bytes, self._alloc, self.copy_stream)
 
-    def forget_buffer(self, old: torch.Tensor) -> None:
-        """The shared buffer ``old`` is being replaced: drop every view of it (after this transfer's streams)."""
+    def forget_buffer(self, old: torch.Tensor) -> list[Any]:
+        """The shared buffer ``old`` is being replaced: drop every view of it, the carried ones too
+        (:attr:`on_forget`); returns events recorded after this transfer's queued work on it."""
+        done = []
         if self._needs_release:
-            self._record_stream(old, self.copy_stream)
-            if self.last_compute is not None:
-                self._record_stream(old, self.last_compute)
+            for stream in (self.copy_stream, self.last_compute):
+                if stream is not None:
+                    self._record_stream(old, stream)
+                    ev = self._event()
+                    ev.record(stream)
+                    done.append(ev)
         self._forget_views()
         self._buffer = None
+        if self.on_forget is not None:
+            self.on_forget()
+        return done
 
     def begin_step(self, args: Sequence[Any]) -> bool | None:
         """Take the shared buffer's turn (if shared); True when another runtime wrote it since this one's last
