@@ -453,27 +453,13 @@ def test_input_shapes_share_the_device_budget(ends_policy):
 
 def test_one_graph_fits_the_budget_with_its_copy_buffer():
     """The copy buffer of fixed places can need a unit more than the plan's own peak: the plan is fitted again."""
-    model = TableStack(n=6).eval()
-    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
-    budget = int(0.6 * weights)
-    f = compile_tracked(model, options={"unit_compiler": "eager", "warmup_calls": 2, "policy": "BASE",
-                                        "device_memory_budget_bytes": budget})
-    x = torch.randn(3, 64)
-    with torch.no_grad():
-        for _ in range(4):
-            close(f(x), model(x))
-    (rt,) = HANDLES[-1].runtimes
+    rt, budget = _one_graph_under_budget(6, 0.6, "BASE")
     assert rt.resident_hosts and _on_device([rt]) <= budget
 
 
-@pytest.mark.parametrize("policy", ["BASE", "COST_EFFECTIVE", "HEURISTIC"])
-@pytest.mark.parametrize("share", [0.35, 0.55, 0.75])
-def test_budget_fit_installs_a_measured_plan_that_keeps_what_fits(policy, share):
-    """Under a budget, candidate plans are measured with the copy buffer they need before one is installed: the
-    installed plan fits, its buffer is the one measured, and it keeps weights resident whenever a plan for some
-    smaller planning budget would fit with resident weights (session 7's refit compared each round with an already
-    shrunk budget and could end with nothing resident)."""
-    model = TableStack(n=7).eval()
+def _one_graph_under_budget(layers: int, share: float, policy: str) -> tuple[Any, int]:
+    """The planned runtime of a TableStack run under a budget of ``share`` of its weights, and the budget."""
+    model = TableStack(n=layers).eval()
     weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     budget = int(share * weights)
     f = compile_tracked(model, options={"unit_compiler": "eager", "warmup_calls": 2, "policy": policy,
@@ -483,6 +469,17 @@ def test_budget_fit_installs_a_measured_plan_that_keeps_what_fits(policy, share)
         for _ in range(4):
             close(f(x), model(x))
     (rt,) = HANDLES[-1].runtimes
+    return rt, budget
+
+
+@pytest.mark.parametrize("policy", ["BASE", "COST_EFFECTIVE", "HEURISTIC"])
+@pytest.mark.parametrize("share", [0.35, 0.55, 0.75])
+def test_budget_fit_installs_a_measured_plan_that_keeps_what_fits(policy, share):
+    """Under a budget, candidate plans are measured with the copy buffer they need before one is installed: the
+    installed plan fits, its buffer is the one measured, and it keeps weights resident whenever a plan for some
+    smaller planning budget would fit with resident weights (session 7's refit compared each round with an already
+    shrunk budget and could end with nothing resident)."""
+    rt, budget = _one_graph_under_budget(7, share, policy)
     ex = rt.executor
     assert _on_device([rt]) <= budget
     assert ex.footprint(ex.plan)[1] == getattr(ex.transfer, "buffer_bytes", 0)
