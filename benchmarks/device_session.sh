@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|load|first-step|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|load|first-step|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset).
@@ -82,6 +82,18 @@ if [ "$what" = real-gaps ]; then  # the grid's runs cut by earlier time budgets
   python3 -m magi_core bench --models wan14b --tokens 2184,16380 --policies COST_EFFECTIVE,BASE --grid full --ratios 0,0.5 \
     --budgets 0.5 --systems magi,accelerate --no-overhead-probe --time-budget "${MAGI_BENCH_BUDGET:-250}" \
     --out "$OUT/part-wan14b-base-ce.json" 2>&1 | tail -n 12 || rc=1
+fi
+if [ "$what" = real-remeasure ]; then  # session 8's fixes: ratio-0 peaks (shared buffer), budgets (fit), BASE r0.5
+  remeasure() { name=$1; shift; python3 -m magi_core bench --grid full --systems magi --no-overhead-probe \
+      --out "$OUT/part-$name.json" "$@" 2>&1 | tail -n 6 || rc=1; }
+  remeasure llama8b-budgets --models llama8b --tokens 8192,16384 --policies HEURISTIC,COST_EFFECTIVE,BASE \
+    --ratios "" --budgets 0.5 --time-budget "${MAGI_BENCH_BUDGET:-140}"
+  remeasure llama8b-base-r05 --models llama8b --tokens 8192,16384 --policies BASE --ratios 0.5 --budgets "" \
+    --time-budget 60
+  remeasure llama8b-h-r0 --models llama8b --tokens 8192,16384 --policies HEURISTIC --ratios 0 --budgets "" \
+    --time-budget 60
+  remeasure wan14b-h-r0 --models wan14b --tokens 2184,16380 --policies HEURISTIC --ratios 0 --budgets "" \
+    --time-budget 60
 fi
 if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate against the page cache
   ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/load-rate
