@@ -94,6 +94,8 @@ if [ "$what" = real-remeasure ]; then  # session 8's fixes: ratio-0 peaks (share
     --time-budget 60
   remeasure wan14b-h-r0 --models wan14b --tokens 2184,16380 --policies HEURISTIC --ratios 0 --budgets "" \
     --time-budget 60
+  remeasure wan14b-8190-h-budget --models wan14b --tokens 8190 --policies HEURISTIC --ratios "" --budgets 0.5 \
+    --time-budget 40
 fi
 if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate against the page cache
   ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/load-rate

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from magi_core.config import OffloadConfig
 from magi_core.errors import ConfigError
 from magi_core.plan import build_plan, heuristic, simulate
+from magi_core.plan.common import planning_bandwidth
 from magi_core.plan.contract import STEP_START, Plan, UnitProfile, make_profiles
-from magi_core.plan.heuristic import best_step_ms, heuristic_plan
+from magi_core.plan.heuristic import best_step_ms, heuristic_plan, stall_removing_residency
 from magi_core.plan.lookahead import lookahead_plan
 
 BW = 100e3  # 100 bytes per ms: a 100-byte unit takes 1 ms to copy
@@ -394,12 +395,43 @@ def test_budget_fit_keeps_residency_when_the_peak_is_just_over(policy: str, budg
     # residency while the cap shrank by that excess (or by the tiny head's size) per round: the rounds ran out and
     # the plan fell back to nothing resident, 1.6x slower on the H200. The cap now drops below what is resident.
     profiles = _wan_2184()
-    plan = build_plan(profiles, 49.55e6, cfg(policy, device_memory_budget_bytes=budget))
+    plan = build_plan(profiles, 55.06e9, cfg(policy, bandwidth_safety_factor=0.9, device_memory_budget_bytes=budget))
     peak = simulate(plan, profiles, plan.notes["bandwidth_Bps"]).peak_device_bytes
     resident = sum(profiles[u].weight_bytes for u in plan.resident)
     assert peak <= budget
     # at most the two streamed blocks in flight and one block lost to unit granularity stay unused
     assert resident >= budget - 3 * 702_870_528 - 519_833_600
+
+
+#: Wan2.1-14B's 20 blocks as profiled on an H200 at 16380 tokens (ms per unit), scaled to 8190 tokens' compute
+#: (x 220.6 / 538.5, the compiled resident steps): the balanced regime, copies 12.7 ms a block.
+_WAN_16380_MS = [1.2, 23.05, 23.05, 23.41, 26.68, 27.18, 26.96, 26.62, 26.62, 26.62, 26.58, 26.71, 26.35, 26.35,
+                 26.51, 26.09, 26.27, 26.64, 26.53, 26.48, 26.66, 0.27]
+
+
+def _wan_8190(uniform: bool) -> list[UnitProfile]:
+    sizes = [519_833_600, 703_919_104] + [702_870_528] * 19 + [696_448]
+    ms = [0.49, 10.85] + [10.85] * 19 + [0.11] if uniform else [t * 220.6 / 538.5 for t in _WAN_16380_MS]
+    return [UnitProfile(i, b, c) for i, (b, c) in enumerate(zip(sizes, ms, strict=True))]
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+def test_heuristic_under_a_budget_trades_a_resident_unit_for_copies_ahead(uniform: bool) -> None:
+    # Balanced regime under half the weights: the largest resident set that fits (5.44 GB) leaves room for one copy
+    # ahead only, and each streamed block's copy (12.7 ms) outlasts the block before it: 243 ms predicted on the
+    # profiled blocks (234 ms measured on the H200, 1.06x of the compute). Less resident lets copies run ahead during
+    # the resident blocks: the profiled step becomes the compute; uniform blocks gain less, but gain.
+    profiles = _wan_8190(uniform)
+    budget = 7_288_970_304
+    config = OffloadConfig(policy="HEURISTIC", device_memory_budget_bytes=budget)
+    plan = build_plan(profiles, 55.2e9, config)
+    assert simulate(plan, profiles, plan.notes["bandwidth_Bps"]).peak_device_bytes <= budget
+    compute = sum(p.compute_ms for p in profiles)
+    # the plan of the largest resident set that fits (what HEURISTIC chose before): 243 ms / 256 ms predicted
+    bw = planning_bandwidth(55.2e9, config)
+    largest = heuristic_plan(profiles, stall_removing_residency(profiles, 5_883_229_248, bw), bw, 0.1, window=1)
+    assert largest.notes["peak_device_bytes"] <= budget < plan.notes["peak_device_bytes"] + 702_870_528 * 2
+    assert plan.predicted_step_ms <= (0.95 * largest.predicted_step_ms if uniform else 1.01 * compute)
 
 
 def test_heuristic_plans_many_units_quickly() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -325,4 +325,30 @@ class HeuristicScheduler:
         def fallback() -> Plan:
             return lookahead_plan(self.name, profiles, frozenset(), config.lookahead, bw)
 
-        return plan_with_limits(profiles, config, build, fallback)
+        plan = plan_with_limits(profiles, config, build, fallback)
+        return plan if budget is None else _trade_residency_for_copies(plan, profiles, budget, build)
+
+
+#: Smaller resident caps (one largest unit less each) HEURISTIC tries under a budget (see below).
+_TRADE_STEPS = 4
+
+
+def _trade_residency_for_copies(
+    plan: Plan, profiles: Sequence[UnitProfile], budget: int, build: Callable[[int], Plan]
+) -> Plan:
+    """Under a budget the largest resident set that fits can leave no room for copies ahead of compute (a
+    balanced step stalls on every streamed unit); a unit or a few less resident frees the room for copies to run
+    ahead. Try caps down to :data:`_TRADE_STEPS` largest units less; keep the plan predicted fastest (ties: the
+    one with more resident)."""
+    floor = sum(p.compute_ms for p in profiles)
+    step = max((p.weight_bytes for p in profiles), default=0)
+    cap = int(plan.notes.get("resident_budget_bytes", 0))
+    best = plan
+    for k in range(1, _TRADE_STEPS + 1):
+        if best.predicted_step_ms <= floor * (1 + 1e-9) or cap - k * step < 0:
+            break
+        candidate = build(cap - k * step)
+        if candidate.notes["peak_device_bytes"] <= budget and candidate.predicted_step_ms < best.predicted_step_ms:
+            candidate.notes["resident_budget_bytes"] = float(cap - k * step)
+            best = candidate
+    return best
