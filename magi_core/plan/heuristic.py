@@ -345,7 +345,7 @@ def _trade_residency_for_copies(
     cap = int(plan.notes.get("resident_budget_bytes", 0))
     best = plan
     for k in range(1, _TRADE_STEPS + 1):
-        if best.predicted_step_ms <= floor * (1 + 1e-9) or cap - k * step < 0:
+        if best.predicted_step_ms <= floor * (1 + 1e-9) or step <= 0 or cap - k * step < 0:
             break
         candidate = build(cap - k * step)
         if candidate.notes["peak_device_bytes"] <= budget and candidate.predicted_step_ms < best.predicted_step_ms:
