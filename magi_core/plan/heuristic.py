@@ -11,7 +11,8 @@ which keeps the streamed working set small. Look-ahead plans are never faster fo
 Memory: shortest-step triggers may put several copies ahead of the running unit (e.g. during a heavy unit);
 ``Plan.notes["peak_device_bytes"]`` says how much. Under ``device_memory_budget_bytes`` a plan that does not
 fit is rebuilt with copies at most ``lookahead`` streamed units ahead (same step time as look-ahead, later
-triggers), before residency is reduced.
+triggers), before residency is reduced; then a few units less resident are tried too, and the plan predicted
+fastest is kept (less resident can leave room for copies to run ahead of a balanced step).
 """
 
 from __future__ import annotations
