@@ -217,9 +217,9 @@ def finalize(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- merging result documents of one machine -------------------------------------------------------------
-#: Fields :func:`derive` computes; dropped so that merging recomputes them.
 #: How the note a merge adds starts (a merged document merged again gets one, counting every part).
 _MERGED = "merged from"
+#: Fields :func:`derive` computes; dropped so that merging recomputes them.
 DERIVED = ("ideal_ms", "ideal_basis", "ratio_to_ideal", "speedup_vs", "copy_GBps", "pinned_over_weights")
 #: Environment fields that must agree for runs to be comparable.
 SAME_ENV = ("hardware", "torch", "magi_core", "python")
@@ -284,7 +284,8 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["notes"].append(
         f"{_MERGED} {len(parts)} magi bench processes on this machine (see 'parts'; each run's 'part' and "
         "'h2d_GBps' say which process ran it and the bandwidth its ideal uses); max rel err is against the "
-        "resident eager run of the same process"
+        "resident eager run of the same process, or in a part that ran magi-core alone against that part's first "
+        "run (the table names it)"
     )
     out.pop("targets", None)
     return out

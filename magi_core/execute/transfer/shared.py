@@ -53,10 +53,10 @@ class SharedBuffer:
             # every sharer drops its views (carried copies too); the host waits for the work queued on the old
             # bytes, so they are free before the new buffer is made: the device never holds both (planning is
             # rare, a wait there costs nothing per step)
-            done = [ev for s in list(self._sharers) for ev in s.forget_buffer(self.tensor)]
-            self.tensor = None
+            done = [ev for s in list(self._sharers) for ev in s.forget_buffer()]
             for ev in done:
                 ev.synchronize()
+            self.tensor = None
         self.tensor = alloc(need)
         # the allocator orders the new block after earlier work only on the allocating stream: other streams
         # wait for this point before they first write or read it

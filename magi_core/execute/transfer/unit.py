@@ -169,14 +169,13 @@ class UnitTransfer(PerTensorTransfer):
         if self.buffer_bytes:
             self._buffer = shared.ensure(self.buffer_bytes, self._alloc, self.copy_stream)
 
-    def forget_buffer(self, old: torch.Tensor) -> list[Any]:
-        """The shared buffer ``old`` is being replaced: drop every view of it, the carried ones too
-        (:attr:`on_forget`); returns events recorded after this transfer's queued work on it."""
+    def forget_buffer(self) -> list[Any]:
+        """The shared buffer is being replaced: drop every view of it, the carried ones too (:attr:`on_forget`);
+        returns events recorded after this transfer's queued work, which the replacer waits for before freeing."""
         done = []
         if self._needs_release:
             for stream in (self.copy_stream, self.last_compute):
                 if stream is not None:
-                    self._record_stream(old, stream)
                     ev = self._event()
                     ev.record(stream)
                     done.append(ev)
