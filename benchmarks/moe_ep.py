@@ -41,10 +41,10 @@ against 47.2 all-private; EP 2 for the mixed case, 11.2 GiB)::
         --vocab 32000 --hidden 4096 --intermediate 14336 --layers 2 --heads 32 --kv-heads 8 --experts 8 \\
         --top-k 2 --batch 1 --seq 256 --timeout 540 --out benchmarks/results/<date>-moe-ep-8xh200.json
 
-(Each rank fills its tensors with ``torch.randn`` on the CPU several times: the reference, the load, the check of
-its own values and of rank 0's experts; at this shape that is minutes on 16 cores per GPU. The streaming figures
-of the issue, per-GPU copy rate and step time against the ideal with every rank streaming at once and pin waves,
-are not measured by this script.)
+(Each rank fills its tensors from a pool of about a million values drawn per tensor (seeded by the name, and for
+experts by the EP group) and tiled over it, several times: the reference, the load, the check of its own values
+and of rank 0's experts. The streaming figures of the issue, per-GPU copy rate and step time against the ideal
+with every rank streaming at once and pin waves, are not measured by this script.)
 """
 
 from __future__ import annotations
@@ -83,10 +83,17 @@ def launch(args: argparse.Namespace, out: str, shm_dir: str) -> tuple[list[dict[
            "--log-dir", os.path.join(out, "logs"), "--redirects", "3", *worker]
     env = dict(os.environ, MAGI_SHM_DIR=shm_dir, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+
+    def rank_logs() -> str:
+        return "".join(f"--- {p}\n{p.read_text(errors='replace')}" for p in sorted(Path(out, "logs").rglob("*.log")))
+
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"torchrun did not finish within --timeout {args.timeout:g} s (raise it for larger shapes); "
+                         f"the ranks' output so far:\n{rank_logs()[-12000:]}") from None
     if proc.returncode != 0:
-        logs = "".join(f"--- {p}\n{p.read_text(errors='replace')}" for p in sorted(Path(out, "logs").rglob("*.log")))
-        raise SystemExit(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs[-12000:]}")
+        raise SystemExit(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{rank_logs()[-12000:]}")
     recs = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.nproc)]
     return recs, cmd
 

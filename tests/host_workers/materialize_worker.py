@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from magi_core import get_backend
-from magi_core.host import HostOptions, materialize, shm
+from magi_core.host import HostOptions, materialize, memstat, shm
 from magi_core.host.memstat import process_memory
 from magi_core.plugin.cpu import registered_ranges
 
@@ -64,6 +64,28 @@ class Model(nn.Module):
             self.emb.weight.copy_(torch.randn(4096, 64, generator=g))
             if sparse_rank:  # one row of 64 elements differs: no sampled element lies in it
                 self.emb.weight[7].add_(1.0)
+
+
+ARENA_KEYS = ("Rss", "Pss", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty", "Anonymous",
+              "ShmemPmdMapped", "FilePmdMapped")
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _meminfo(keys: tuple[str, ...]) -> dict[str, int]:
+    """Node-wide bytes of the /proc/meminfo fields ``keys``."""
+    out = {}
+    for line in _read_text("/proc/meminfo").splitlines():
+        name, _, rest = line.partition(":")
+        if name in keys:
+            out[name] = int(rest.split()[0]) * 1024
+    return out
 
 
 def digest(t: torch.Tensor) -> str:
@@ -235,6 +257,12 @@ def main() -> None:
     arena = hw.mapping_memory()  # only the arena mappings: what the sharing tests compare
     rec["arena_pss"], rec["arena_rss"], rec["arena_mappings"] = arena["Pss"], arena["Rss"], arena["mappings"]
     rec["arenas"] = len(hw.mapped_ranges)
+    # where the arena's pages are accounted (a kernel may not split a large folio's Pss by its mappers)
+    rec["arena_smaps"] = memstat.mapping_memory(hw.mapped_ranges, [a.path for a in hw.arenas if a.path],
+                                                keys=ARENA_KEYS)
+    rec["meminfo"] = _meminfo(("Shmem", "AnonPages", "ShmemHugePages", "ShmemPmdMapped"))
+    rec["thp_shmem"] = _read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    rec["shm_mount"] = [ln for ln in _read_text("/proc/mounts").splitlines() if " /dev/shm " in ln]
     dist.barrier()
     hw.release()
     rec["registered_after_release"] = len(registered_ranges())

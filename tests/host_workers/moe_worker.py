@@ -42,6 +42,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import magi_core
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+POOL = (1 << 20) + 7  # values drawn per tensor, tiled beyond
 ROLLUP = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Anonymous")
 
 
@@ -65,10 +66,15 @@ def filler(group: int, scale: float = 0.05) -> Callable[[str, torch.Tensor], tor
     def fn(name: str, meta: torch.Tensor) -> torch.Tensor:
         key = f"{name}@ep-group{group}" if is_expert(name) else name
         g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-        t = torch.randn(tuple(meta.shape), generator=g) * scale
+        n = meta.numel()
+        # a seeded pool tiled over the tensor: drawing every value is minutes per rank at a Mixtral shape (the
+        # pool's length is not a multiple of a row, so rows differ)
+        pool = torch.randn(min(n, POOL), generator=g).mul_(scale)
         if name.endswith("norm.weight"):
-            t += 1.0
-        return t.to(meta.dtype)
+            pool += 1.0
+        pool = pool.to(meta.dtype)
+        t = pool.repeat(-(-n // pool.numel()))[:n] if n > pool.numel() else pool
+        return t.reshape(tuple(meta.shape))
 
     return fn
 
@@ -161,6 +167,7 @@ def scenario(args: argparse.Namespace, ep: int, rank: int, world: int, device: t
         wrong = ref(ids).logits
     del ref
     gc.collect()
+    progress(rank, ep, "reference and predecessor's logits")
 
     dist.barrier()
     roll_before = smaps_rollup()
@@ -173,11 +180,13 @@ def scenario(args: argparse.Namespace, ep: int, rank: int, world: int, device: t
     t0 = time.perf_counter()
     model = magi_core.load(model, fn, magi_core.OffloadConfig(unit_compiler=args.unit_compiler))
     load_s = time.perf_counter() - t0
+    progress(rank, ep, f"loaded in {load_s:.1f} s")
     roll_loaded = smaps_rollup()
     t0 = time.perf_counter()
     with torch.no_grad():
         got = model(ids).logits
     first_call_s = time.perf_counter() - t0
+    progress(rank, ep, f"first call {first_call_s:.1f} s")
     hw = magi_core.handle(model).host
     with torch.no_grad():  # touch every page: each rank's share of every mapping is resident
         for t in model.state_dict().values():
@@ -222,6 +231,11 @@ def scenario(args: argparse.Namespace, ep: int, rank: int, world: int, device: t
     rec["dir_after_release"] = sorted(os.listdir(shm_dir))
     dist.barrier()
     return rec
+
+
+def progress(rank: int, ep: int, what: str) -> None:
+    """One line in the rank's log (what a run that outlives its timeout had reached)."""
+    print(f"[rank {rank} ep {ep} {time.strftime('%H:%M:%S')}] {what}", flush=True)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
