@@ -144,8 +144,10 @@ def test_sharded_index_directory_list_and_rename(shm_dir: str, tmp_path: Path) -
                             (sorted(tmp_path.glob("*.safetensors")), 1)):
         m = meta_net()
         with materialize(m, options=HostOptions(progress=False, load_threads=threads), source=source) as hw:
-            _check_loaded(m, ref, hw)  # by the kernel into the arena's file (1 thread), or into its mapping (3)
-            assert hw.report["load"]["threads"] == (threads or 1)
+            _check_loaded(m, ref, hw)  # by the kernel into the arena's file, or into its mapping, from 1-8 threads
+            tensors = hw.report["load"]["tensors"]
+            assert hw.report["load"]["threads"] == (min(threads, tensors) if threads else
+                                                    min(8, os.cpu_count() or 1, tensors))
     # a checkpoint saved with a prefix: rename maps its names onto the model's
     save_file({f"model.{k}": v for k, v in sd.items()}, str(tmp_path / "prefixed.safetensors"))
     m = meta_net()

@@ -194,14 +194,6 @@ class Loader:
         """True when slots may be filled from several threads at once (files; never a user function)."""
         return bool(getattr(self.source, "parallel_safe", False))
 
-    def converts(self, slot: Slot) -> bool:
-        """True when (part of) the slot is read from a tensor stored in another dtype (converted chunk by chunk)."""
-        for (kind, src), e in zip(self.plans.get(id(slot), ()), slot.entries, strict=False):
-            info = self.source.info(src) if kind == "source" and src is not None else None
-            if info is not None and info.dtype != e.tensor.dtype:
-                return True
-        return False
-
     def thread_staging(self, threads: int) -> Staging:
         """A staging buffer for one of ``threads`` filling threads: its share of the window."""
         return Staging(max(STAGING_MIN, self.staging.nbytes // max(1, threads)))
