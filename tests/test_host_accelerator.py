@@ -87,21 +87,31 @@ def test_five_materialise_release_cycles(dev: torch.device, shm_dir: str) -> Non
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_share_one_file(dev: torch.device, shm_dir: str, tmp_path: Path) -> None:
-    if get_backend().device_module.device_count() < 2:
-        pytest.skip("needs two devices")
-    proc = torchrun(2, ["--scenario", "shared", "--dense-mb", "64", "--device"], shm_dir, tmp_path)
+@pytest.mark.parametrize("shared_writes", ["read_only", "copy_on_write"])
+def test_two_ranks_share_one_file(dev: torch.device, shm_dir: str, tmp_path: Path, shared_writes: str) -> None:
+    """Two ranks on the accelerator (one device each, or both on one through gloo) map one file; with the default
+    read_only isolation the node holds the weights once, pinned; copy_on_write's private mappings are copied by a
+    registration that writes (CUDA's), and the rank is told so (private_copy_bytes)."""
+    proc = torchrun(2, ["--scenario", "shared", "--dense-mb", "64", "--device", "--shared-writes", shared_writes],
+                    shm_dir, tmp_path)
     assert_ok(proc, tmp_path)
     recs = results(tmp_path, 2)
     assert recs[0]["inodes"] == recs[1]["inodes"] and all(r["mode"] == "shared" for r in recs)
+    weights = recs[0]["weight_bytes"]
+    if shared_writes == "copy_on_write":
+        for r in recs:  # what pinning made private is what the rank was told (CUDA: every page, 2 copies)
+            assert r["private_copy_bytes"] is not None, r
+            assert abs(r["private_copy_bytes"] - r["arena_smaps"]["Anonymous"]) <= 2**20, r
+            assert r["dense_after"] == r["dense_before"] and r["dir_after"] == []
+        return
     for r in recs:
         assert r["device_copy_ok"] and r["host_after_to"]
         assert r["pinned_bytes"] >= r["weight_bytes"]
         assert r["dense_after"] == r["dense_before"] and r["dir_after"] == []
     # Only the arena mappings: Pss_Shmem of the whole process also counts the driver's pinned staging and IPC
     # mappings on a GPU host (that made a 64 MiB model look like 110 MB here).
-    weights = recs[0]["weight_bytes"]
     for r in recs:
+        assert r["arena_smaps"]["Anonymous"] == 0 and r["private_copy_bytes"] in (0, None), r
         assert r["arena_mappings"] >= r["arenas"] >= 1, r  # registering may split a mapping in two
         assert r["arena_rss"] >= weights, r
     pss = sum(r["arena_pss"] for r in recs)

@@ -282,7 +282,7 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["time_budget_s"] = None
     out["env"]["date"] = min(d["env"]["date"] for d in docs)
     out["notes"].append(
-        f"{_MERGED} {len(parts)} magi bench processes on this machine (see 'parts'; each run's 'part' and "
+        f"{_MERGED} {len(parts)} magi bench processes on machines of this hardware (see 'parts'; each run's 'part' and "
         "'h2d_GBps' say which process ran it and the bandwidth its ideal uses); max rel err is against the "
         "resident eager run of the same process, or in a part that ran magi-core alone against that part's first "
         "run (the table names it)"

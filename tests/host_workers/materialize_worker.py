@@ -173,9 +173,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.device:
         be = get_backend()
-        be.device_module.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(device_id=be.device(int(os.environ["LOCAL_RANK"])),
-                                timeout=datetime.timedelta(seconds=90))
+        count = be.device_module.device_count()
+        index = int(os.environ["LOCAL_RANK"]) % count  # one device: both ranks on it, talking through gloo
+        be.device_module.set_device(index)
+        args.device_index = index
+        if count >= int(os.environ["LOCAL_WORLD_SIZE"]):
+            dist.init_process_group(device_id=be.device(index), timeout=datetime.timedelta(seconds=90))
+        else:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
     rank = dist.get_rank()
@@ -234,7 +239,7 @@ def main() -> None:
     rec["files_unlinked"] = all(not os.path.exists(p) for p in hw.files)
     rec["file_modes"] = sorted(set(seen_modes))
     if args.device:  # the host weights reach the device intact (non_blocking from the pinned mapping)
-        dev = torch.device(get_backend().device_type, int(os.environ["LOCAL_RANK"]))
+        dev = torch.device(get_backend().device_type, args.device_index)
         on_dev = model.dense.weight.to(dev, non_blocking=True)
         model.to(dev)
         rec["device_copy_ok"] = bool(torch.equal(on_dev.cpu(), model.dense.weight))
