@@ -60,6 +60,52 @@ def weights_fn(pool: torch.Tensor) -> Any:
     return fn
 
 
+def arena_rate(host: Any, dm: Any, device: torch.device, chunk: int = 256 << 20) -> float:
+    """Bytes/s of copying every arena of ``host`` to the device in ``chunk``-byte pieces with all ranks at once:
+    what the link gives from this memory (all of it, not a reused probe buffer)."""
+    buf = torch.empty(chunk, dtype=torch.uint8, device=device)
+    pieces = [a.buf[i:i + chunk] for a in host.arenas for i in range(0, a.buf.numel(), chunk)]
+    buf[: pieces[0].numel()].copy_(pieces[0], non_blocking=True)  # warm the path
+    dm.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for p in pieces:
+        buf[: p.numel()].copy_(p, non_blocking=True)
+    dm.synchronize()
+    return sum(p.numel() for p in pieces) / (time.perf_counter() - t0)
+
+
+def numa_facts(host: Any, device_index: int, be: Any) -> dict[str, Any]:
+    """The device's NUMA node (from its PCI address) and the arena pages' nodes (from /proc/self/numa_maps)."""
+    facts: dict[str, Any] = {}
+    try:
+        props = be.device_module.get_device_properties(device_index)
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
+            facts["device_numa_node"] = int(f.read())
+        facts["device_pci"] = bus
+    except (AttributeError, OSError, ValueError) as exc:
+        facts["device_numa_node"] = f"unknown ({exc})"
+    paths = {a.path for a in host.arenas if a.path}
+    pages: dict[str, int] = {}
+    try:
+        with open("/proc/self/numa_maps") as f:
+            for line in f:
+                if any(p in line for p in paths):
+                    for tok in line.split():
+                        if tok.startswith("N") and "=" in tok:
+                            node, n = tok[1:].split("=")
+                            pages[node] = pages.get(node, 0) + int(n)
+    except OSError:
+        pass
+    facts["arena_pages_per_node"] = pages
+    try:
+        facts["numa_nodes_online"] = open("/sys/devices/system/node/online").read().strip()
+    except OSError:
+        pass
+    return facts
+
+
 def main() -> None:
     """Load, run, measure, report (see the module docstring)."""
     ap = argparse.ArgumentParser()
@@ -112,12 +158,17 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
     rt = magi_core.handle(model).runtime
     step = statistics.median(times)
+    whole_arena = arena_rate(host, dm, device) if be.is_accelerator else None
     streamed = rt.executor.actions.streamed_bytes
     mine = {"rank": rank, "step_ms": step * 1e3, "first_step_s": first_s, "load_s": load_s,
             "streamed_bytes": streamed, "resident_bytes": rt.executor.actions.resident_bytes,
             "link_GBps": rt.bandwidth_Bps / 1e9, "ideal_ms": streamed / rt.bandwidth_Bps * 1e3,
             "x_ideal": step / (streamed / rt.bandwidth_Bps), "finite": bool(torch.isfinite(out).all()),
-            "load": host.report.get("load"), "node_bytes": host.report.get("node_bytes")}
+            "load": host.report.get("load"), "node_bytes": host.report.get("node_bytes"),
+            # the link from the whole arena, every rank at once, and where its pages and this device sit
+            "arena_copy_GBps": whole_arena / 1e9 if whole_arena else None,
+            "x_arena_ideal": step / (streamed / whole_arena) if whole_arena else None,
+            "numa": numa_facts(host, device.index or 0, be) if be.is_accelerator else None}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     weight_bytes = host.weight_bytes
