@@ -30,6 +30,7 @@ import gc
 import hashlib
 import json
 import os
+import statistics
 import time
 import zlib
 from collections.abc import Callable
@@ -162,6 +163,8 @@ def scenario(args: argparse.Namespace, ep: int, rank: int, world: int, device: t
     fill_(ref, fn, lambda n: True)
     with torch.no_grad():
         want = ref(ids).logits
+        # compiled units round differently from eager kernels: their reference is the whole model compiled
+        want_compiled = torch.compile(ref)(ids).logits if args.unit_compiler != "eager" else None
         # the predecessor's rule: rank 0's file for everyone, i.e. this rank computing with rank 0's experts
         fill_(ref, filler(0), is_expert)
         wrong = ref(ids).logits
@@ -187,6 +190,7 @@ def scenario(args: argparse.Namespace, ep: int, rank: int, world: int, device: t
         got = model(ids).logits
     first_call_s = time.perf_counter() - t0
     progress(rank, ep, f"first call {first_call_s:.1f} s")
+    stream = streaming(model, ids, args.steps, device) if args.steps and device.type != "cpu" else None
     hw = magi_core.handle(model).host
     with torch.no_grad():  # touch every page: each rank's share of every mapping is resident
         for t in model.state_dict().values():
@@ -208,6 +212,8 @@ def scenario(args: argparse.Namespace, ep: int, rank: int, world: int, device: t
         "ep": ep, "group": group, "rank": rank, "world": world, "dtype": args.dtype, "device": str(device),
         "load_seconds": load_s, "first_call_seconds": first_call_s,
         "offloaded_vs_eager": diff(got, want), "logits_digest": digest(got.float()),
+        "offloaded_vs_compiled": diff(got, want_compiled) if want_compiled is not None else None,
+        "compiled_vs_eager": diff(want_compiled, want) if want_compiled is not None else None,
         "wrong_vs_eager": diff(wrong, want), "wrong_logits_digest": digest(wrong.float()),
         "own_values": own_values,
         "experts_digest": hashlib.sha256("".join(experts.values()).encode()).hexdigest()[:16],
@@ -221,9 +227,9 @@ def scenario(args: argparse.Namespace, ep: int, rank: int, world: int, device: t
                   for f in hw.report["files"]],
         "mapping_memory": mem, "smaps_rollup": {"before": roll_before, "loaded": roll_loaded, "after": roll_after},
         "shm_fs_used_delta": fs_after - fs_before, "shm_dir_files": files_in_dir,
-        "shm_files_mapped": files_mapped,
+        "shm_files_mapped": files_mapped, "stream": stream,
     }
-    del got, want, wrong, params, hw
+    del got, want, want_compiled, wrong, params, hw
     magi_core.release(model)
     del model
     gc.collect()
@@ -231,6 +237,30 @@ def scenario(args: argparse.Namespace, ep: int, rank: int, world: int, device: t
     rec["dir_after_release"] = sorted(os.listdir(shm_dir))
     dist.barrier()
     return rec
+
+
+def streaming(model: Any, ids: torch.Tensor, steps: int, device: torch.device) -> dict[str, Any]:
+    """Every rank steps at once: the median step, the bytes streamed per step and the step against the transfer
+    ideal (those bytes at the link rate the runtimes measured; the compute of this short input is far less)."""
+    dm = magi_core.get_backend().device_module
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids)
+        times = []
+        for _ in range(steps):
+            dm.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(ids)
+            dm.synchronize()
+            times.append(time.perf_counter() - t0)
+    stats = magi_core.handle(model).stats()
+    streamed = sum(s.streamed_bytes_per_step or 0 for s in stats)
+    rate = max((s.bandwidth_GBps or 0.0) for s in stats) * 1e9
+    step = statistics.median(times)
+    return {"step_ms": step * 1e3, "steps_ms": [t * 1e3 for t in times], "streamed_bytes": streamed,
+            "runtimes": len(stats), "link_GBps": rate / 1e9, "copy_GBps": streamed / step / 1e9,
+            "x_transfer_ideal": step / (streamed / rate) if streamed and rate else None}
 
 
 def progress(rank: int, ep: int, what: str) -> None:
@@ -256,6 +286,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps with every rank at once (accelerators)")
     return ap.parse_args(argv)
 
 
