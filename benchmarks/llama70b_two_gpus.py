@@ -133,7 +133,7 @@ def main() -> None:
     shm_before = system_memory().get("Shmem", 0)
     dist.barrier()
     t0 = time.perf_counter()
-    source = CallableSource(weights_fn(pool), identical_across_ranks=True)
+    source = CallableSource(weights_fn(pool), identical_across_ranks=True, thread_safe=True)
     model = magi_core.load(model, source, OffloadConfig(gpu_resident_weight_ratio=args.ratio),
                            host_options=HostOptions(progress=False))
     dist.barrier()

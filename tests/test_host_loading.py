@@ -9,6 +9,9 @@ import io
 import json
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -273,6 +276,29 @@ def test_function_source_and_clean_failure(shm_dir: str) -> None:
     with materialize(m, options=OPTS, source=CallableSource(lambda n, meta: None if n == "steps" else sd[n]),
                      strict=False) as hw:
         assert hw.report["load"]["missing"] == ["steps"] and not m.steps.any()
+
+
+def test_thread_safe_function_source_is_called_from_several_threads(shm_dir: str) -> None:
+    ref = reference()
+    sd = checkpoint(ref)
+    callers: dict[str, set[str]] = {"default": set(), "thread_safe": set()}
+
+    def fn_of(kind: str) -> Callable[[str, torch.Tensor], torch.Tensor | None]:
+        def fn(name: str, meta: torch.Tensor) -> torch.Tensor | None:
+            callers[kind].add(threading.current_thread().name)
+            time.sleep(0.01)  # long enough that the pool's threads overlap
+            return sd.get(name)
+        return fn
+
+    for kind, source in (("default", CallableSource(fn_of("default"))),
+                         ("thread_safe", CallableSource(fn_of("thread_safe"), thread_safe=True))):
+        m = meta_net()
+        with materialize(m, options=HostOptions(progress=False, load_threads=3), source=source) as hw:
+            _check_loaded(m, ref, hw)
+            assert hw.report["load"]["threads"] == (3 if kind == "thread_safe" else 1)
+    assert callers["default"] == {threading.main_thread().name}
+    assert len(callers["thread_safe"]) > 1 and all(n.startswith("magi-load") for n in callers["thread_safe"])
+    assert registered_ranges() == {} and _files(shm_dir) == []
 
 
 def test_real_tensors_overwritten_when_held_kept_otherwise(shm_dir: str, tmp_path: Path) -> None:

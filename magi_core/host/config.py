@@ -89,7 +89,7 @@ class HostOptions:
     #: Loading from files: threads reading at once on each rank (each with its share of the staging window), into
     #: the arena's mapping. None: the host's cores divided among the node's ranks, at most 8 (one thread copying
     #: file ranges in the kernel reached 0.64x of the page-cache read rate on the H200 host, 8 threads 1.56x).
-    #: A function source is always called from one thread.
+    #: A function source is called from one thread unless it is a ``CallableSource(..., thread_safe=True)``.
     load_threads: int | None = None
     #: Remove files of crashed runs (owner gone: its lock is free) from the shm directory before creating ours.
     cleanup_stale: bool = True

@@ -365,14 +365,19 @@ class CallableSource(WeightSource):
     every rank of a node, so one rank calls it and the others map its copy without comparing (e.g. weights
     seeded by name). False (default): every rank calls ``fn``; tensors that come out byte-identical are shared
     after a full comparison, the others get a copy per rank.
+
+    ``thread_safe``: ``fn`` may be called from several threads at once (``HostOptions.load_threads`` of them,
+    default the cores shared by the node's ranks, at most 8), each holding one returned tensor at a time; False
+    (default): one thread calls it.
     """
 
     def __init__(self, fn: Callable[[str, torch.Tensor], torch.Tensor | None], *,
-                 identical_across_ranks: bool | Callable[[str], bool] = False) -> None:
+                 identical_across_ranks: bool | Callable[[str], bool] = False, thread_safe: bool = False) -> None:
         if not callable(fn):
             raise TypeError(f"CallableSource takes a function (name, meta_tensor) -> tensor, got {type(fn).__name__}")
         self.fn = fn
         self.identical = identical_across_ranks
+        self.parallel_safe = bool(thread_safe)
 
     def token(self, name: str, dtype: torch.Tensor | torch.dtype) -> Hashable | None:
         """``("callable", name, dtype)`` where declared identical across ranks, else None."""
