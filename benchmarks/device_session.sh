@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|load|first-step|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset).
@@ -33,7 +33,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     --junitxml="$OUT/accel.xml" 2>&1 | tee "$OUT/accel.log" || rc=1
   # the executor suites that run on whichever backend is active: here on CUDA (real streams, caching allocator)
   python3 -m pytest -q -rs tests/test_executor.py tests/test_threads.py tests/test_weight_updates.py \
-    tests/test_handle.py -p no:cacheprovider --junitxml="$OUT/executor-cuda.xml" 2>&1 | tail -n 15 \
+    tests/test_handle.py tests/test_schedulers.py tests/test_transfer.py -p no:cacheprovider \
+    --junitxml="$OUT/executor-cuda.xml" 2>&1 | tail -n 15 \
     | tee "$OUT/executor-cuda.log" || rc=1
 fi
 if [ "$what" = demo ] || [ "$what" = all ]; then
@@ -96,6 +97,20 @@ if [ "$what" = real-remeasure ]; then  # session 8's fixes: ratio-0 peaks (share
     --time-budget 60
   remeasure wan14b-8190-h-budget --models wan14b --tokens 8190 --policies HEURISTIC --ratios "" --budgets 0.5 \
     --time-budget 40
+fi
+if [ "$what" = real-check ]; then  # wan14b 16380 ratio 0 next to its resident step, one process, one GPU
+  python3 -m magi_core bench --models wan14b --tokens 16380 --policies HEURISTIC --ratios 0 --budgets "" \
+    --systems resident_compiled,magi --grid full --no-overhead-probe --time-budget 0 \
+    --out "$OUT/part-wan14b-16380-r0-check.json" 2>&1 | tail -n 6 || rc=1
+fi
+if [ "$what" = two-gpus ]; then  # the two-rank runs of issues 16 and 18 (nvidia-h200-x2)
+  python3 -m pytest -q -rs -m accelerator tests/test_host_accelerator.py -p no:cacheprovider 2>&1 | tail -n 15 \
+    | tee "$OUT/host-accel.log" || rc=1
+  MAGI_PIN_CONCURRENCY=2 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/llama70b_two_gpus.py \
+    --out "$OUT/llama70b-2xh200.json" > "$OUT/llama70b.log" 2>&1 || rc=1
+  python3 benchmarks/moe_ep.py --nproc 2 --backend nccl --dtype bfloat16 --unit-compiler eager --ep 1 2 \
+    --vocab 32000 --hidden 4096 --intermediate 14336 --layers 2 --heads 32 --kv-heads 8 --experts 8 --top-k 2 \
+    --batch 1 --seq 256 --timeout 300 --out "$OUT/moe-ep-2xh200.json" > "$OUT/moe.log" 2>&1 || rc=1
 fi
 if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate against the page cache
   ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/load-rate
