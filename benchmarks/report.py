@@ -18,6 +18,7 @@ from pathlib import Path
 
 from magi_core.bench.analysis import merge
 from magi_core.bench.report import is_exchange_doc, load, write_report
+from magi_core.bench.script_report import is_script_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     # the results folder also holds other benchmarks' JSON (host bandwidth): keep `magi bench` documents only
     raw = {p: json.loads(p.read_text()) for p in paths}
     exchanges = [d for d in raw.values() if is_exchange_doc(d)]
-    docs = [load(p) for p, d in raw.items() if not is_exchange_doc(d) and (args.results or "runs" in d)]
-    for path in write_report(docs, args.md, args.plots, exchanges):
+    scripts = [d for d in raw.values() if is_script_doc(d)]
+    docs = [load(p) for p, d in raw.items()
+            if not is_exchange_doc(d) and not is_script_doc(d) and (args.results or "runs" in d)]
+    for path in write_report(docs, args.md, args.plots, exchanges, scripts):
         print(f"wrote {path}")
     return 0
 
