@@ -69,7 +69,7 @@ def test_first_step_vs_peers_loads_the_same_model_everywhere(tmp_path: Path) -> 
 
 def test_load_rate_compares_magi_with_threads_against_the_page_cache(tmp_path: Path) -> None:
     doc = _script("load_rate", tmp_path, "--layers", "2", "--hidden", "64", "--ffn", "128", "--vocab", "256",
-                  "--repeats", "1", "--also-threads", "2", "--dir", str(tmp_path / "ckpt"))
+                  "--repeats", "1", "--threads", "1", "--also-threads", "2", "--dir", str(tmp_path / "ckpt"))
     rows = doc["rows"]
     nbytes = rows["magi"][0]["weight_bytes"]  # the files hold these and their headers
     assert rows["magi"][0]["threads"] == 1 and rows["magi_threads_2"][0]["threads"] == 2
