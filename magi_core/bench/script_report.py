@@ -34,109 +34,109 @@ def is_moe_doc(doc: dict[str, Any]) -> bool:
     return isinstance(doc.get("model"), dict) and "results" in doc and "torchrun_command" in doc
 
 
-def two_gpu_markdown(docs: Sequence[dict[str, Any]]) -> list[str]:
-    """Per run: host bytes of the node against the weights, each rank's step against its ideal, load and first step."""
-    lines = ["## One host copy, several GPUs (`benchmarks/llama70b_two_gpus.py`)", "",
-             "Every rank runs the model (data parallel) from one copy of the weights in shared memory, half of them "
-             "resident; ideal = the bytes it streams / the host-to-device rate measured with every rank copying.", ""]
-    for doc in sorted(docs, key=lambda d: d.get("date", ""), reverse=True):
-        lines += [f"### {doc.get('layers')} layers, hidden {doc.get('hidden')}, {doc.get('tokens')} tokens, "
-                  f"{doc.get('gpus')}x {doc.get('hardware')} - {doc.get('date')}", "",
-                  f"torch {doc.get('torch')}, {human_bytes(doc.get('weight_bytes'))} of weights, ratio "
-                  f"{doc.get('ratio')}; shared memory grew by {_f(doc.get('shmem_over_weights'), '{:.4f}')}x the "
-                  f"weights; command: `{doc.get('command')}`", "",
-                  "| rank | step ms | ideal ms | x ideal | streamed | link GB/s | arena copy GB/s | load s | "
-                  "load GB/s | first step s |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in doc.get("ranks", []):
-            load = r.get("load") or {}
-            lines.append(f"| {r.get('rank')} | {_f(r.get('step_ms'))} | {_f(r.get('ideal_ms'))} | "
-                         f"{_f(r.get('x_ideal'), '{:.3f}')} | {human_bytes(r.get('streamed_bytes'))} | "
-                         f"{_f(r.get('link_GBps'), '{:.2f}')} | {_f(r.get('arena_copy_GBps'), '{:.2f}')} | "
-                         f"{_f(r.get('load_s'))} | {_f(load.get('GBps'), '{:.2f}')} | {_f(r.get('first_step_s'))} |")
-        targets = doc.get("targets", {})
-        lines += ["", "Targets: " + "; ".join(f"{k}: **{'met' if v else 'missed'}**" for k, v in targets.items())
-                  + ".", ""]
+def two_gpu_run(doc: dict[str, Any]) -> list[str]:
+    """One run: host bytes of the node against the weights, each rank's step against its ideal, load, first step."""
+    lines = [f"### {doc.get('layers')} layers, hidden {doc.get('hidden')}, {doc.get('tokens')} tokens, "
+             f"{doc.get('gpus')}x {doc.get('hardware')} - {doc.get('date')}", "",
+             f"torch {doc.get('torch')}, {human_bytes(doc.get('weight_bytes'))} of weights, ratio "
+             f"{doc.get('ratio')}; shared memory grew by {_f(doc.get('shmem_over_weights'), '{:.4f}')}x the "
+             f"weights; command: `{doc.get('command')}`", "",
+             "| rank | step ms | ideal ms | x ideal | streamed | link GB/s | arena copy GB/s | load s | "
+             "load GB/s | first step s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc.get("ranks", []):
+        load = r.get("load") or {}
+        lines.append(f"| {r.get('rank')} | {_f(r.get('step_ms'))} | {_f(r.get('ideal_ms'))} | "
+                     f"{_f(r.get('x_ideal'), '{:.3f}')} | {human_bytes(r.get('streamed_bytes'))} | "
+                     f"{_f(r.get('link_GBps'), '{:.2f}')} | {_f(r.get('arena_copy_GBps'), '{:.2f}')} | "
+                     f"{_f(r.get('load_s'))} | {_f(load.get('GBps'), '{:.2f}')} | {_f(r.get('first_step_s'))} |")
+    targets = doc.get("targets", {})
+    lines += ["", "Targets: " + "; ".join(f"{k}: **{'met' if v else 'missed'}**" for k, v in targets.items())
+              + ".", ""]
     return lines
 
 
-def load_rate_markdown(docs: Sequence[dict[str, Any]]) -> list[str]:
-    """Per run: each way of loading the checkpoint with its rate and its rate against the page cache."""
-    lines = ["## Loading a checkpoint into the host arena (`benchmarks/load_rate.py`)", "",
-             "`page_cache`: reading the files (already in the page cache) into one reused buffer; "
-             "`page_cache_fresh`: into new memory; `magi*`: `magi_core.load` into the shared arena (read: the "
-             "reading phase; end to end: with planning, pinning and the rest).", ""]
-    for doc in sorted(docs, key=lambda d: d.get("date", ""), reverse=True):
-        hw = doc.get("hardware") or {}
-        ck = doc.get("checkpoint") or {}
-        rows = doc.get("rows") or {}
-        cache = (rows.get("page_cache") or [{}])[0].get("GBps")
-        lines += [f"### {human_bytes(ck.get('bytes'))} checkpoint, {hw.get('cpu')} ({hw.get('cores')} cores) - "
-                  f"{doc.get('date')}", "", f"command: `{doc.get('command')}`", "",
-                  "| way | threads | seconds | read GB/s | end-to-end GB/s | read x page cache | "
-                  "end-to-end x page cache | anonymous extra |", "|---|---|---|---|---|---|---|---|"]
-        for name, runs in rows.items():
-            for r in runs:
-                read, e2e = r.get("GBps_read", r.get("GBps")), r.get("GBps_end_to_end", r.get("GBps"))
-                lines.append(f"| {name} | {r.get('threads', '-')} | {_f(r.get('seconds'), '{:.2f}')} | "
-                             f"{_f(read, '{:.2f}')} | {_f(e2e, '{:.2f}')} | "
-                             f"{_f(read / cache if read and cache else None, '{:.2f}')} | "
-                             f"{_f(e2e / cache if e2e and cache else None, '{:.2f}')} | "
-                             f"{human_bytes(r.get('anon_extra_bytes'))} |")
-        lines.append("")
+def load_rate_run(doc: dict[str, Any]) -> list[str]:
+    """One run: each way of loading the checkpoint with its rate and its rate against the page cache."""
+    hw = doc.get("hardware") or {}
+    ck = doc.get("checkpoint") or {}
+    rows = doc.get("rows") or {}
+    cache = (rows.get("page_cache") or [{}])[0].get("GBps")
+    lines = [f"### {human_bytes(ck.get('bytes'))} checkpoint, {hw.get('cpu')} ({hw.get('cores')} cores) - "
+             f"{doc.get('date')}", "", f"command: `{doc.get('command')}`", "",
+             "| way | threads | seconds | read GB/s | end-to-end GB/s | read x page cache | "
+             "end-to-end x page cache | anonymous extra |", "|---|---|---|---|---|---|---|---|"]
+    for name, runs in rows.items():
+        for r in runs:
+            read, e2e = r.get("GBps_read", r.get("GBps")), r.get("GBps_end_to_end", r.get("GBps"))
+            lines.append(f"| {name} | {r.get('threads', '-')} | {_f(r.get('seconds'), '{:.2f}')} | "
+                         f"{_f(read, '{:.2f}')} | {_f(e2e, '{:.2f}')} | "
+                         f"{_f(read / cache if read and cache else None, '{:.2f}')} | "
+                         f"{_f(e2e / cache if e2e and cache else None, '{:.2f}')} | "
+                         f"{human_bytes(r.get('anon_extra_bytes'))} |")
+    lines.append("")
     return lines
 
 
-def moe_markdown(docs: Sequence[dict[str, Any]]) -> list[str]:
-    """Per run and EP size: host bytes per node against the all-shared and all-private layouts, each rank's logits."""
-    lines = ["## Expert parallelism, per-tensor sharing (`benchmarks/moe_ep.py`)", "",
-             "Dense tensors identical on every rank, experts filled per EP group: the node should hold the distinct "
-             "bytes once. \"vs eager\" / \"vs compiled\": the offloaded logits against the same model resident "
-             "(eager, or compiled whole); \"rank 0's experts\": what the predecessor's rule (rank 0's file for "
-             "everyone) computes.", ""]
-    for doc in sorted(docs, key=lambda d: d.get("date", ""), reverse=True):
-        m = doc.get("model") or {}
-        hw = doc.get("hardware") or {}
-        lines += [f"### {m.get('class')}, hidden {m.get('hidden')}, {m.get('layers')} layers, {m.get('experts')} "
-                  f"experts, {m.get('dtype')}, {hw.get('accelerators') or hw.get('cpu')} - {doc.get('date')}", "",
-                  f"backend {doc.get('backend')}, units {doc.get('unit_compiler')}; command: `{doc.get('command')}`"]
-        if doc.get("note"):
-            lines += ["", f"Note: {doc['note']}"]
-        lines += ["", "| EP | ranks | distinct | all shared | all private | arena Pss / distinct | rank | "
-                  "max abs diff vs eager (of max) | vs compiled | argmax changed | rank 0's experts change it | "
-                  "step x transfer ideal |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for s in doc.get("results", []):
-            rep, meas = s.get("report", {}), s.get("measured", {})
-            for r in s.get("per_rank", []):
-                e, c = r.get("offloaded_vs_eager") or {}, r.get("offloaded_vs_compiled") or {}
-                st = r.get("stream") or {}
-                lines.append(
-                    f"| {s.get('ep')} | {s.get('ranks')} | {human_bytes(rep.get('distinct'))} | "
-                    f"{human_bytes(rep.get('all_shared'))} | {human_bytes(rep.get('all_private'))} | "
-                    f"{_f(meas.get('arena_pss_vs_distinct'), '{:.4f}')} | {r.get('rank')} | "
-                    f"{_f(e.get('max_abs_diff'), '{:.3g}')} ({_f(e.get('max_abs'), '{:.3g}')}) | "
-                    f"{_f(c.get('max_abs_diff'), '{:.3g}')} | {_f(e.get('argmax_changed'), '{:.3f}')} | "
-                    f"{_changes((r.get('predecessor_rule') or {}).get('logits_vs_eager'))} | "
-                    f"{_f(st.get('x_transfer_ideal'), '{:.3f}')} |")
-        lines.append("")
+def moe_run(doc: dict[str, Any]) -> list[str]:
+    """One run, per EP size: host bytes per node against the all-shared and all-private layouts, each rank's logits."""
+    m = doc.get("model") or {}
+    hw = doc.get("hardware") or {}
+    lines = [f"### {m.get('class')}, hidden {m.get('hidden')}, {m.get('layers')} layers, {m.get('experts')} "
+             f"experts, {m.get('dtype')}, {hw.get('accelerators') or hw.get('cpu')} - {doc.get('date')}", "",
+             f"backend {doc.get('backend')}, units {doc.get('unit_compiler')}; command: `{doc.get('command')}`"]
+    if doc.get("note"):
+        lines += ["", f"Note: {doc['note']}"]
+    lines += ["", "| EP | ranks | distinct | all shared | all private | arena Pss / distinct | rank | "
+              "max abs diff vs eager (of max) | vs compiled | argmax changed | rank 0's experts change it | "
+              "step x transfer ideal |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in doc.get("results", []):
+        rep, meas = s.get("report", {}), s.get("measured", {})
+        for r in s.get("per_rank", []):
+            e, c = r.get("offloaded_vs_eager") or {}, r.get("offloaded_vs_compiled") or {}
+            st = r.get("stream") or {}
+            lines.append(
+                f"| {s.get('ep')} | {s.get('ranks')} | {human_bytes(rep.get('distinct'))} | "
+                f"{human_bytes(rep.get('all_shared'))} | {human_bytes(rep.get('all_private'))} | "
+                f"{_f(meas.get('arena_pss_vs_distinct'), '{:.4f}')} | {r.get('rank')} | "
+                f"{_f(e.get('max_abs_diff'), '{:.3g}')} ({_f(e.get('max_abs'), '{:.3g}')}) | "
+                f"{_f(c.get('max_abs_diff'), '{:.3g}')} | {_f(e.get('argmax_changed'), '{:.3f}')} | "
+                f"{_changes((r.get('predecessor_rule') or {}).get('logits_vs_eager'))} | "
+                f"{_f(st.get('x_transfer_ideal'), '{:.3f}')} |")
+    lines.append("")
     return lines
 
 
-#: (recogniser, section writer) for every kind of script result, in the order of their sections.
-SECTIONS: tuple[tuple[Callable[[dict[str, Any]], bool], Callable[[Sequence[dict[str, Any]]], list[str]]], ...] = (
-    (is_two_gpu_doc, two_gpu_markdown), (is_load_rate_doc, load_rate_markdown), (is_moe_doc, moe_markdown))
+#: (recogniser, section title, what the section's tables mean, one run's lines) for every kind of script result.
+SECTIONS: tuple[tuple[Callable[[dict[str, Any]], bool], str, str, Callable[[dict[str, Any]], list[str]]], ...] = (
+    (is_two_gpu_doc, "One host copy, several GPUs (`benchmarks/llama70b_two_gpus.py`)",
+     "Every rank runs the model (data parallel) from one copy of the weights in shared memory, half of them "
+     "resident; ideal = the bytes it streams / the host-to-device rate measured with every rank copying.",
+     two_gpu_run),
+    (is_load_rate_doc, "Loading a checkpoint into the host arena (`benchmarks/load_rate.py`)",
+     "`page_cache`: reading the files (already in the page cache) into one reused buffer; `page_cache_fresh`: into "
+     "new memory; `magi*`: `magi_core.load` into the shared arena (read: the reading phase; end to end: with "
+     "planning, pinning and the rest).", load_rate_run),
+    (is_moe_doc, "Expert parallelism, per-tensor sharing (`benchmarks/moe_ep.py`)",
+     "Dense tensors identical on every rank, experts filled per EP group: the node should hold the distinct bytes "
+     "once. \"vs eager\" / \"vs compiled\": the offloaded logits against the same model resident (eager, or "
+     "compiled whole); \"rank 0's experts\": whether the predecessor's rule (rank 0's file for everyone) changes "
+     "this rank's logits.", moe_run),
+)
 
 
 def is_script_doc(doc: dict[str, Any]) -> bool:
     """True for a result any section here renders."""
-    return any(recognise(doc) for recognise, _ in SECTIONS)
+    return any(recognise(doc) for recognise, *_ in SECTIONS)
 
 
 def scripts_markdown(docs: Sequence[dict[str, Any]]) -> list[str]:
-    """The sections of every kind present in ``docs``."""
+    """A section per kind present in ``docs``, its runs newest first."""
     lines: list[str] = []
-    for recognise, section in SECTIONS:
-        mine = [d for d in docs if recognise(d)]
+    for recognise, title, intro, run in SECTIONS:
+        mine = sorted((d for d in docs if recognise(d)), key=lambda d: d.get("date", ""), reverse=True)
         if mine:
-            lines += section(mine)
+            lines += [f"## {title}", "", intro, ""]
+            for doc in mine:
+                lines += run(doc)
     return lines
