@@ -18,7 +18,9 @@ from pathlib import Path
 
 from magi_core.bench.analysis import merge
 from magi_core.bench.report import is_exchange_doc, load, write_report
-from magi_core.bench.script_report import is_script_doc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's modules, also when loaded from elsewhere
+from script_report import is_script_doc, scripts_markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     scripts = [d for d in raw.values() if is_script_doc(d)]
     docs = [load(p) for p, d in raw.items()
             if not is_exchange_doc(d) and not is_script_doc(d) and (args.results or "runs" in d)]
-    for path in write_report(docs, args.md, args.plots, exchanges, scripts):
+    for path in write_report(docs, args.md, args.plots, exchanges, scripts_markdown(scripts)):
         print(f"wrote {path}")
     return 0
 

@@ -1,6 +1,7 @@
-"""Sections of ``docs/BENCHMARKS.md`` for the results of the scripts in ``benchmarks/`` that are not ``magi bench``
-runs: two ranks with one host copy (``llama70b_two_gpus.py``), loading a checkpoint (``load_rate.py``) and expert
-parallelism (``moe_ep.py``). Each is recognised by its keys; unknown documents are left out."""
+"""Sections of ``docs/BENCHMARKS.md`` for the results of the scripts in this folder that are not ``magi bench``
+runs (``report.py`` appends them): two ranks with one host copy (``llama70b_two_gpus.py``), loading a checkpoint
+(``load_rate.py``) and expert parallelism (``moe_ep.py``). Each is recognised by its keys; unknown documents are
+left out."""
 
 from __future__ import annotations
 
