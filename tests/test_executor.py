@@ -495,6 +495,40 @@ def test_budget_fit_installs_a_measured_plan_that_keeps_what_fits(policy, share)
         assert ex.actions.resident_bytes > 0
 
 
+def test_budget_fit_bisects_back_up_when_a_shrunk_budget_is_too_small_to_plan():
+    """A first plan far over the budget shrinks the planning budget below what streaming needs, and the planner
+    refuses it: the fit bisects back up and installs a plan that fits instead of failing (seen in CI on magidev,
+    where HEURISTIC's timings made a second input shape's first plan keep too much)."""
+    model = TableStack(n=7).eval()
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    budget = int(0.55 * weights)
+    f = compile_tracked(model, options={"unit_compiler": "eager", "warmup_calls": 2, "policy": "BASE",
+                                        "device_memory_budget_bytes": budget})
+    x = torch.randn(3, 64)
+    refused: list[int] = []
+    with torch.no_grad():
+        close(f(x), model(x))
+        (rt,) = HANDLES[-1].runtimes
+        real = rt._planner
+
+        def everything_first(profiles, bandwidth, config):
+            if not hasattr(everything_first, "done"):  # the first round: all resident, far over the budget
+                everything_first.done = True
+                return real(profiles, bandwidth, config.replace(device_memory_budget_bytes=None,
+                                                                gpu_resident_weight_ratio=1.0))
+            try:
+                return real(profiles, bandwidth, config)
+            except ConfigError:
+                refused.append(config.device_memory_budget_bytes)
+                raise
+
+        rt._planner = everything_first
+        for _ in range(3):
+            close(f(x), model(x))
+    assert refused and max(refused) < budget  # the shrink went below what streaming needs
+    assert rt.phase == "planned" and _on_device([rt]) <= budget
+
+
 def test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget():
     model = TableStack(n=3).eval()
     weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])

@@ -169,28 +169,46 @@ class OffloadLifecycle:
             plan = self._plan(profiles, bandwidth_Bps, config, shared)
             return plan, self.executor.set_plan(plan)
         fits: list[Plan] = []
+        # ok: the largest planning budget known to fit or to be too small to plan at all; failed: the smallest
+        # whose plan held more than the limit
         budget, ok, failed, extra, used = limit, 0, None, 0, 0
+        too_small: ConfigError | None = None
         for _ in range(_FIT_ROUNDS):
-            plan = self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=budget), shared)
-            actions, buffer = self.executor.footprint(plan)
-            new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
-            # a copy buffer shared with the peers: the larger of their plans' need and this one's
-            used = sum(new.values()) + max(buffer, self._peer_buffer)
-            if used <= limit:
-                fits.append(plan)
-                ok = budget
+            try:
+                plan = self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=budget), shared)
+            except ConfigError as e:
+                if budget >= limit or failed is None:
+                    raise
+                too_small, ok = e, budget  # a shrink went below what streaming needs: bisect back up
             else:
-                failed = budget
-                predicted = plan.notes.get("peak_device_bytes")
-                extra = max(extra, used - int(predicted) if predicted is not None else used - limit)
+                actions, buffer = self.executor.footprint(plan)
+                new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
+                # a copy buffer shared with the peers: the larger of their plans' need and this one's
+                used = sum(new.values()) + max(buffer, self._peer_buffer)
+                if used <= limit:
+                    fits.append(plan)
+                    ok = budget
+                else:
+                    failed = budget
+                    predicted = plan.notes.get("peak_device_bytes")
+                    extra = max(extra, used - int(predicted) if predicted is not None else used - limit)
             if failed is None or failed - ok <= limit * _FIT_RESOLUTION:
                 break
             # less by what the plans held beyond their prediction (at least this one's excess), then bisect up
-            tried, budget = budget, (ok + failed) // 2 if fits else min(limit - extra, budget - (used - limit))
+            tried = budget
+            budget = (ok + failed) // 2 if fits or ok else min(limit - extra, budget - (used - limit))
             if budget <= 0:
                 break
             logger.info("magi offload: planned for %d bytes, the plan holds %d with its copy buffer (budget %d); "
                         "planning for %d", tried, used, limit, budget)
+        if not fits and too_small is not None and failed is not None:
+            # the rounds ran out between too small to plan and too large to fit: stream all but what the peers hold
+            plan = self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=None,
+                                                                      gpu_resident_weight_ratio=0.0), shared)
+            actions, buffer = self.executor.footprint(plan)
+            if max(buffer, self._peer_buffer) + sum(int(args[i].nbytes) for i in actions.resident
+                                                    if _key(args[i]) not in held) <= limit:
+                fits.append(plan)
         if not fits:
             raise ConfigError(
                 f"OffloadConfig.device_memory_budget_bytes={self.config.device_memory_budget_bytes} is too small for "
