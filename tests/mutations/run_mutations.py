@@ -146,6 +146,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("core", ("tests/test_transfer.py",)), ("privateuse1", EXECUTOR_PU1)),
     ),
     Mutation(
+        "i", "budget fit: a shrunk planning budget the planner refuses fails the call instead of bisecting back up",
+        "magi_core/compile/lifecycle.py",
+        "                if budget >= limit or failed is None:\n",
+        "                if True:\n",
+        (("core", ("tests/test_executor.py",)),),
+    ),
+    Mutation(
         "g", "device placement: a lifted host scalar's .to(cpu) is rewritten to the device",
         "magi_core/passes/device_placement.py",
         "            return False  # a host scalar moved to the host: leave it\n",
