@@ -191,7 +191,7 @@ class Loader:
 
     @property
     def parallel(self) -> bool:
-        """True when slots may be filled from several threads at once (files; never a user function)."""
+        """True when slots may be filled from several threads at once (files; a function declared thread-safe)."""
         return bool(getattr(self.source, "parallel_safe", False))
 
     def thread_staging(self, threads: int) -> Staging:
