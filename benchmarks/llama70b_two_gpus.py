@@ -168,7 +168,9 @@ def main() -> None:
             # the link from the whole arena, every rank at once, and where its pages and this device sit
             "arena_copy_GBps": whole_arena / 1e9 if whole_arena else None,
             "x_arena_ideal": step / (streamed / whole_arena) if whole_arena else None,
-            "numa": numa_facts(host, device.index or 0, be) if be.is_accelerator else None}
+            "numa": numa_facts(host, device.index or 0, be) if be.is_accelerator else None,
+            # the plan's own view: its predicted step and stall at the planning rate, per compiled graph
+            "plans": [s.to_dict() for s in magi_core.handle(model).stats()]}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     weight_bytes = host.weight_bytes
