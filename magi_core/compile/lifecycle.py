@@ -168,6 +168,14 @@ class OffloadLifecycle:
         if limit is None:
             plan = self._plan(profiles, bandwidth_Bps, config, shared)
             return plan, self.executor.set_plan(plan)
+
+        def holds(plan: Plan) -> int:
+            """Device bytes the plan would add: its new resident weights and the copy buffer (a buffer shared
+            with the peers: the larger of their plans' need and this one's)."""
+            actions, buffer = self.executor.footprint(plan)
+            new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
+            return sum(new.values()) + max(buffer, self._peer_buffer)
+
         fits: list[Plan] = []
         # ok: the largest planning budget known to fit or to be too small to plan at all; failed: the smallest
         # whose plan held more than the limit
@@ -181,10 +189,7 @@ class OffloadLifecycle:
                     raise
                 too_small, ok = e, budget  # a shrink went below what streaming needs: bisect back up
             else:
-                actions, buffer = self.executor.footprint(plan)
-                new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
-                # a copy buffer shared with the peers: the larger of their plans' need and this one's
-                used = sum(new.values()) + max(buffer, self._peer_buffer)
+                used = holds(plan)
                 if used <= limit:
                     fits.append(plan)
                     ok = budget
@@ -205,9 +210,7 @@ class OffloadLifecycle:
             # the rounds ran out between too small to plan and too large to fit: stream all but what the peers hold
             plan = self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=None,
                                                                       gpu_resident_weight_ratio=0.0), shared)
-            actions, buffer = self.executor.footprint(plan)
-            if max(buffer, self._peer_buffer) + sum(int(args[i].nbytes) for i in actions.resident
-                                                    if _key(args[i]) not in held) <= limit:
+            if holds(plan) <= limit:
                 fits.append(plan)
         if not fits:
             raise ConfigError(

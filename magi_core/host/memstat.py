@@ -74,9 +74,9 @@ def mapping_memory(ranges: Iterable[tuple[int, int]], paths: Iterable[str] = (),
     return out
 
 
-def system_memory() -> dict[str, int]:
-    """``MemTotal``, ``MemAvailable`` and ``Shmem`` bytes of the host."""
-    return _read_kb("/proc/meminfo", _MEMINFO_KEYS)
+def system_memory(keys: tuple[str, ...] = _MEMINFO_KEYS) -> dict[str, int]:
+    """Bytes of the host's /proc/meminfo fields ``keys`` (default ``MemTotal``, ``MemAvailable``, ``Shmem``)."""
+    return _read_kb("/proc/meminfo", keys)
 
 
 def available_bytes() -> int:

@@ -78,16 +78,6 @@ def _read_text(path: str) -> str:
         return ""
 
 
-def _meminfo(keys: tuple[str, ...]) -> dict[str, int]:
-    """Node-wide bytes of the /proc/meminfo fields ``keys``."""
-    out = {}
-    for line in _read_text("/proc/meminfo").splitlines():
-        name, _, rest = line.partition(":")
-        if name in keys:
-            out[name] = int(rest.split()[0]) * 1024
-    return out
-
-
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's values (all of them)."""
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -265,7 +255,7 @@ def main() -> None:
     # where the arena's pages are accounted (a kernel may not split a large folio's Pss by its mappers)
     rec["arena_smaps"] = memstat.mapping_memory(hw.mapped_ranges, [a.path for a in hw.arenas if a.path],
                                                 keys=ARENA_KEYS)
-    rec["meminfo"] = _meminfo(("Shmem", "AnonPages", "ShmemHugePages", "ShmemPmdMapped"))
+    rec["meminfo"] = memstat.system_memory(("Shmem", "AnonPages", "ShmemHugePages", "ShmemPmdMapped"))
     rec["thp_shmem"] = _read_text("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
     rec["shm_mount"] = [ln for ln in _read_text("/proc/mounts").splitlines() if " /dev/shm " in ln]
     dist.barrier()
