@@ -369,8 +369,6 @@ class _Round:
     created: list[str]  # arena keys whose file this rank creates
     locks: dict[str, int]  # created key -> fd holding the file's lock until it is unlinked
     fds: dict[str, int] = field(default_factory=dict)  # arena key -> fd this rank writes through (closed after)
-    # files created sparse: each writer allocates the slots it fills just before filling them (in parallel threads)
-    sparse: bool = False
 
 
 class _Materializer:
@@ -586,7 +584,7 @@ class _Materializer:
             tag = f"node{min(m)}-{k}" if m == full and rnd == 0 else f"rank{min(m)}-{k}"
             paths[k] = os.path.join(opts.shm_dir, shm.file_name(infos[min(m)]["owner"], tag))
         created = [k for k in sizes if min(members[k]) == self.rank]
-        rd = self.round = _Round(items, sizes, members, paths, created, {}, sparse=shm.can_populate())
+        rd = self.round = _Round(items, sizes, members, paths, created, {})
 
         def undo() -> None:
             self._undo(hw)
@@ -600,13 +598,11 @@ class _Materializer:
                     self.cleaned = True
                 shm.check_room(opts.shm_dir, sum(sizes[k] for k in created), files=len(created))
                 for k in created:
-                    rd.locks[k] = shm.create(paths[k], sizes[k], reserve=not rd.sparse)
+                    rd.locks[k] = shm.create(paths[k], sizes[k])
             except BaseException as exc:
                 err = exc
                 self._drop_files(rd.locks, {k: paths[k] for k in created})
         self._fail_all(self._gather_status(err), err, undo)
-        if created:
-            self._phase(hw, "created" if rnd == 0 else "created_own")
 
         # 4. the writers map their files, fill their slots and swap each in at once
         arenas: list[Arena] = []
@@ -708,18 +704,7 @@ class _Materializer:
         threads = self._load_threads(loaded) if loader is not None and loader.parallel else 1
         buf: torch.Tensor | None = None
         into: list[torch.Tensor] = []
-        opts_dir = self.opts.shm_dir
         t0 = time.perf_counter()
-
-        def allocate(slot: Slot, into: torch.Tensor, fd: int | None) -> None:
-            # a sparse file: this slot's pages now (through the file, or mapped by this thread), a clear error
-            # when the filesystem is full instead of SIGBUS on a write
-            if rd.sparse:
-                assert opts_dir is not None
-                if fd is not None:
-                    shm.allocate(opts_dir, slot.nbytes, fd=fd, offset=slot.offset)
-                else:
-                    shm.allocate(opts_dir, slot.nbytes, ptr=into.data_ptr() + slot.offset)
 
         def adopt(slot: Slot, bar: tqdm) -> None:
             views = slot.views(by_key[slot.arena].buf, slot.offset)
@@ -741,7 +726,6 @@ class _Materializer:
                         # file (sendfile, pwrite) take the file's lock one writer at a time
                         if not hasattr(local, "staging"):
                             local.staging = loader.thread_staging(threads)
-                        allocate(slot, dst[slot.arena], None)
                         loader.fill(slot, dst[slot.arena], slot.offset, None, local.staging)
                         return slot
 
@@ -758,7 +742,6 @@ class _Materializer:
                     mine = [s for s in mine if id(s) not in loaded_set]
                 for slot in mine:
                     buf = dst[slot.arena]
-                    allocate(slot, buf, rd.fds.get(slot.arena))
                     if loader is not None and loader.owns(slot):
                         loader.fill(slot, buf, slot.offset, rd.fds.get(slot.arena))
                     else:
