@@ -17,7 +17,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
      . ./backends/cuda ./backends/musa || { echo "install failed"; exit 3; }
 fi
 export PYTHONPATH=$site:${PYTHONPATH:-}
-df -h /dev/shm | tee "$OUT/shm.txt"; nproc; free -g
+df -h /dev/shm | tee "$OUT/shm.txt"; nproc; free -g; uname -r; cat /sys/kernel/mm/transparent_hugepage/shmem_enabled
 python3 - <<'PY' | tee "$OUT/env.txt"
 import torch, magi_core, platform
 print("torch", torch.__version__, "python", platform.python_version())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -152,6 +153,8 @@ def main() -> int:
     if args.tokens is None:
         args.tokens = min(_workload(args).tokens)
     if args.worker is not None:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
         print(json.dumps(run_system(args.worker, args)))
         return 0
     os.makedirs(args.dir, exist_ok=True)
@@ -178,9 +181,10 @@ def main() -> int:
             cmd += ["--layers", str(args.layers)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
-        except subprocess.TimeoutExpired:
-            rows.append({"system": system, "status": "timed out",
-                         "reason": f"--worker-timeout {args.worker_timeout} s"})
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            rows.append({"system": system, "status": "timed out", "reason": f"--worker-timeout {args.worker_timeout} s",
+                         "log_tail": err.strip()[-1500:]})  # where it was (the worker logs at INFO)
             _save(_doc(args, files, rows, written), args.out)
             continue
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -191,8 +195,8 @@ def main() -> int:
         row = {**json.loads(lines[-1]), "status": "ok"}
         outputs[system] = torch.load(out_file)
         os.unlink(out_file)
-        ref = outputs[systems[0]]
-        if system in outputs and systems[0] in outputs:
+        if systems[0] in outputs:  # the first system's output is the reference (when it ran)
+            ref = outputs[systems[0]]
             row["max_rel_err_vs_" + systems[0]] = float((outputs[system] - ref).abs().max() / ref.abs().max())
         rows.append(row)
         print(f"{system}: first output after {row['seconds_to_first_output']:.1f} s", file=sys.stderr, flush=True)

@@ -65,6 +65,11 @@ def test_first_step_vs_peers_loads_the_same_model_everywhere(tmp_path: Path) -> 
                     "--systems", "magi,accelerate", "--worker-timeout", "0.01")
     assert [(r["system"], r["status"]) for r in again["rows"]] == [("magi", "timed out"), ("accelerate", "timed out")]
     assert again["checkpoint_write_s"] is None  # the checkpoint was there already
+    # the reference system failing leaves the next one measured (without a comparison)
+    third = _script("first_step_vs_peers", tmp_path, "--model", "wan14b", "--dir", str(ckpt),
+                    "--systems", "nosuch,accelerate")
+    assert [(r["system"], r["status"]) for r in third["rows"]] == [("nosuch", "failed"), ("accelerate", "ok")]
+    assert "unknown system" in third["rows"][0]["reason"] and "max_rel_err_vs_nosuch" not in third["rows"][1]
 
 
 def test_load_rate_compares_magi_with_threads_against_the_page_cache(tmp_path: Path) -> None:

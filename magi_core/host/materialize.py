@@ -603,6 +603,8 @@ class _Materializer:
                 err = exc
                 self._drop_files(rd.locks, {k: paths[k] for k in created})
         self._fail_all(self._gather_status(err), err, undo)
+        if created:  # space reserved whole here (one thread): the writers' page faults on it are cheap
+            self._phase(hw, "created" if rnd == 0 else "created_own")
 
         # 4. the writers map their files, fill their slots and swap each in at once
         arenas: list[Arena] = []
