@@ -129,10 +129,12 @@ def run_system(system: str, args: argparse.Namespace) -> dict[str, Any]:
         torch.save(out.detach().float().cpu(), args.output)
     host = magi_core.handle(model).host if system == "magi" else None
     shm = int(host.weight_bytes) if host is not None else 0
+    cache = magi_core.handle(model).runtime.executor.compiled_units if system == "magi" else None
+    compiles = {"compiled": cache.compiles, "reused": cache.reused} if cache is not None else None
     return {"system": system, "seconds_to_loaded": loaded, "seconds_to_first_output": loaded + steps[0],
             "first_step_s": steps[0], "second_step_s": steps[1], "wall_s": first,
             "peak_rss_bytes": peak_rss_bytes(), "anon_peak_extra_bytes": anon.extra,
-            "shm_weight_bytes": shm,
+            "shm_weight_bytes": shm, "unit_compiles": compiles,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 

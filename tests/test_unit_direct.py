@@ -103,3 +103,63 @@ def test_units_compiled_again_come_from_inductors_graph_cache() -> None:
     assert counters["inductor"]["fxgraph_cache_bypass"] == 0
     assert counters["inductor"]["fxgraph_cache_hit"] >= len(kinds)
     assert all(kinds), "units loaded from the cache are called directly too"
+
+
+def test_units_of_identical_blocks_compile_once_and_keep_their_own_weights() -> None:
+    """The blocks of a model differ only in names and weights: one Inductor compile serves them all, and every
+    block still computes with its own weights (the output matches the eager model's)."""
+    spec = TransformerSpec(layers=4, hidden=32, heads=2)
+    model = build_transformer(spec)
+    x = example_input(spec, tokens=4)
+    torch._dynamo.reset()
+    f = compile_tracked(model, options={"policy": "BASE", "unit_compiler": "inductor"})
+    with torch.no_grad():
+        out = [f(x, 1e-5) for _ in range(3)][-1]
+        want = model(x, 1e-5)
+    cache = newest().executor.compiled_units
+    n_units = newest().executor.n_units
+    assert cache.compiles + cache.reused == n_units
+    assert cache.reused >= spec.layers - 1 and cache.compiles <= n_units - (spec.layers - 1), (cache.compiles, n_units)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_structure_key_ignores_names_only() -> None:
+    from magi_core.execute.unit_compile import structure_key
+
+    def block(x, w, s):
+        return torch.nn.functional.gelu(x @ w) * s
+
+    def tanh_gelu(x, w, s):
+        return torch.nn.functional.gelu(x @ w, approximate="tanh") * s
+
+    x, w, s = torch.randn(4, 8), torch.randn(8, 8), torch.randn(())
+    a = torch.fx.symbolic_trace(block)
+    b = torch.fx.symbolic_trace(block)
+    for n in b.graph.nodes:  # another block's names
+        n.name = n.name + "_blocks_7"
+    b.recompile()
+    key = structure_key(a, [x, w, s])
+    assert key is not None and key == structure_key(b, [x, w, s])
+    assert key != structure_key(a, [x, w.double(), s])  # dtype
+    assert key != structure_key(a, [x, w.t(), s])  # stride
+    assert key != structure_key(a, [torch.randn(5, 8), w, s])  # shape
+    assert key != structure_key(torch.fx.symbolic_trace(tanh_gelu), [x, w, s])  # a constant keyword
+    assert structure_key(_scaled(2.0), [x, w, s]) != structure_key(_scaled(3.0), [x, w, s])  # a constant
+    assert structure_key(_scaled(2.0), [x, w, s]) == structure_key(_scaled(2.0), [x, w, s])
+    assert structure_key(torch.fx.symbolic_trace(_WithBuffer()), [x, w]) is None  # its value is the module's
+
+
+def _scaled(c: float) -> torch.fx.GraphModule:
+    def f(x, w, s):
+        return torch.nn.functional.gelu(x @ w) * c
+
+    return torch.fx.symbolic_trace(f)
+
+
+class _WithBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w) * self.scale

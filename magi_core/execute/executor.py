@@ -40,7 +40,7 @@ from magi_core.execute.program import build_program
 from magi_core.execute.residency import RESIDENT, ResidentSet, ResidentStore
 from magi_core.execute.transfer import PerTensorTransfer, UnitTransfer, WeightTransfer
 from magi_core.execute.transfer.shared import SharedBuffer
-from magi_core.execute.unit_compile import UnitFn, unit_callable
+from magi_core.execute.unit_compile import CompiledUnits, UnitFn, unit_callable
 from magi_core.passes.units import SplitGraph
 from magi_core.plan.contract import Plan
 from magi_core.plugin.facade import Backend
@@ -139,8 +139,11 @@ class OffloadExecutor:
         #: Per unit: True once its Inductor code is called directly, False when wrapped, None before compiling.
         self.direct_units: list[bool | None] = [None] * len(split.units)
         #: One boxed callable per unit (takes a fresh list of its arguments, which it may clear).
+        #: Inductor code by unit structure: the units of identical blocks compile once.
+        self.compiled_units = CompiledUnits()
         self.fns: list[UnitFn] = [
-            unit_callable(u.module, u.attr, unit_compiler, self._installer(u.index), direct_unit_calls)
+            unit_callable(u.module, u.attr, unit_compiler, self._installer(u.index), direct_unit_calls,
+                          self.compiled_units)
             for u in split.units
         ]
         template: list[Any] = [None] * self.program.n_slots
