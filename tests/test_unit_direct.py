@@ -30,7 +30,8 @@ def test_direct_unit_calls_match_the_wrapped_calls_bit_for_bit() -> None:
     assert wrapped == [False] * len(kinds)
     assert torch.equal(fast, slow)
     with torch.no_grad():
-        torch.testing.assert_close(fast, model(x, 1e-5), rtol=1e-5, atol=1e-5)
+        # the offloaded output is on the device, the model's own weights (and this reference) on the host
+        torch.testing.assert_close(fast.cpu(), model(x, 1e-5), rtol=1e-4, atol=1e-4)
 
 
 def _compile(fn, *args: torch.Tensor):
@@ -120,7 +121,7 @@ def test_units_of_identical_blocks_compile_once_and_keep_their_own_weights() -> 
     n_units = newest().executor.n_units
     assert cache.compiles + cache.reused == n_units
     assert cache.reused >= spec.layers - 1 and cache.compiles <= n_units - (spec.layers - 1), (cache.compiles, n_units)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-4)  # a block on another's weights: O(1) off
 
 
 def test_structure_key_ignores_names_only() -> None:
