@@ -1,6 +1,7 @@
 """Sections of ``docs/BENCHMARKS.md`` for the results of the scripts in this folder that are not ``magi bench``
 runs (``report.py`` appends them): two ranks with one host copy (``llama70b_two_gpus.py``), loading a checkpoint
-(``load_rate.py``) and expert parallelism (``moe_ep.py``). Each is recognised by its keys; unknown documents are
+(``load_rate.py``), expert parallelism (``moe_ep.py``) and time to the first step against the peers' loaders
+(``first_step_vs_peers.py``). Each is recognised by its keys; unknown documents are
 left out."""
 
 from __future__ import annotations
@@ -108,6 +109,31 @@ def moe_run(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def is_first_step_doc(doc: dict[str, Any]) -> bool:
+    """True for a ``benchmarks/first_step_vs_peers.py`` result."""
+    return "rows" in doc and "checkpoint_bytes" in doc and "tokens" in doc
+
+
+def first_step_run(doc: dict[str, Any]) -> list[str]:
+    """One run: each system's seconds to its model loaded and to the first output, its next step, host memory."""
+    lines = [f"### {doc.get('model')}, {doc.get('tokens')} tokens, {human_bytes(doc.get('checkpoint_bytes'))} "
+             f"checkpoint, {doc.get('hardware')} - {doc.get('date')}", "", f"command: `{doc.get('command')}`"]
+    if doc.get("note"):
+        lines += ["", f"Note: {doc['note']}"]
+    lines += ["", "| system | status | loaded s | first output s | second step s | peak RSS | anonymous peak extra | "
+              "shared memory | unit compiles (reused) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc.get("rows", []):
+        c = r.get("unit_compiles") or {}
+        compiles = f"{c.get('compiled')} ({c.get('reused')})" if c else "-"
+        status = r.get("status", "-") + (f": {r['reason']}" if r.get("status") != "ok" and r.get("reason") else "")
+        lines.append(f"| {r.get('system')} | {status} | {_f(r.get('seconds_to_loaded'))} | "
+                     f"{_f(r.get('seconds_to_first_output'))} | {_f(r.get('second_step_s'), '{:.3f}')} | "
+                     f"{human_bytes(r.get('peak_rss_bytes'))} | {human_bytes(r.get('anon_peak_extra_bytes'))} | "
+                     f"{human_bytes(r.get('shm_weight_bytes'))} | {compiles} |")
+    lines.append("")
+    return lines
+
+
 #: (recogniser, section title, what the section's tables mean, one run's lines) for every kind of script result.
 SECTIONS: tuple[tuple[Callable[[dict[str, Any]], bool], str, str, Callable[[dict[str, Any]], list[str]]], ...] = (
     (is_two_gpu_doc, "One host copy, several GPUs (`benchmarks/llama70b_two_gpus.py`)",
@@ -123,6 +149,12 @@ SECTIONS: tuple[tuple[Callable[[dict[str, Any]], bool], str, str, Callable[[dict
      "once. \"vs eager\" / \"vs compiled\": the offloaded logits against the same model resident (eager, or "
      "compiled whole); \"rank 0's experts\": whether the predecessor's rule (rank 0's file for everyone) changes "
      "this rank's logits.", moe_run),
+    (is_first_step_doc, "Time to the first step against the peers' loaders (`benchmarks/first_step_vs_peers.py`)",
+     "Each system in a fresh process loads the checkpoint (page cache warm) and runs two steps: magi-core "
+     "(`magi_core.load` of the meta model, ratio 0, units compiled by Inductor), diffusers (`from_pretrained` + "
+     "`enable_group_offload`, block level, with a copy stream), accelerate (`load_checkpoint_and_dispatch` to the "
+     "CPU + `cpu_offload`). magi-core's first output includes Dynamo's trace and the units' compiles.",
+     first_step_run),
 )
 
 

@@ -15,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 sys.path.insert(0, str(BENCHMARKS))
 from script_report import (  # noqa: E402
+    is_first_step_doc,
     is_load_rate_doc,
     is_moe_doc,
     is_script_doc,
@@ -41,12 +42,24 @@ def _moe(diff: float, wrong_diff: float) -> dict:
                          "measured": {"arena_pss_vs_distinct": 1.0}, "per_rank": [rank]}]}
 
 
+def _first_step() -> dict:
+    return {"model": "wan14b", "tokens": 2184, "checkpoint_bytes": 1.4e10, "hardware": "GPU", "date": "2026-12-01",
+            "command": "python ...", "rows": [
+                {"system": "magi", "status": "ok", "seconds_to_loaded": 7.25, "seconds_to_first_output": 126.58,
+                 "second_step_s": 0.2694, "peak_rss_bytes": 1.6e10, "anon_peak_extra_bytes": 5e8,
+                 "shm_weight_bytes": 1.4e10, "unit_compiles": {"compiled": 3, "reused": 19}},
+                {"system": "slow", "status": "timed out", "reason": "--worker-timeout 230 s"}]}
+
+
 def test_each_kind_is_recognised_and_nothing_else() -> None:
     two, moe = _two_gpu(1.0), _moe(0.0, 1.0)
     load = {"checkpoint": {"bytes": 1e9}, "rows": {}, "magi_read_vs_page_cache": 1.0}
     assert is_two_gpu_doc(two) and not is_moe_doc(two) and not is_load_rate_doc(two)
     assert is_moe_doc(moe) and not is_two_gpu_doc(moe)
     assert is_load_rate_doc(load) and not is_moe_doc(load)
+    first = _first_step()
+    assert is_first_step_doc(first) and not any(f(first) for f in (is_two_gpu_doc, is_moe_doc, is_load_rate_doc))
+    assert not any(is_first_step_doc(d) for d in (two, moe, load))
     bench_like = {"runs": [], "env": {}}
     exchange = {"exchange_on": [], "exchange_off": []}
     assert not is_script_doc(bench_like) and not is_script_doc(exchange)
@@ -60,10 +73,13 @@ def test_sections_carry_each_runs_figures_and_verdicts() -> None:
     # the MoE rows: offloaded against eager, and whether rank 0's experts would change this rank's logits
     assert "| 0 (2) |" in text and "| 0.25 (2) |" in text
     assert text.count("| yes |") == 1 and text.count("| no |") == 1
+    first = "\n".join(scripts_markdown([_first_step()]))
+    assert "| magi | ok | 7.2 | 126.6 | 0.269 |" in first and "| 3 (19) |" in first
+    assert "| slow | timed out: --worker-timeout 230 s |" in first
 
 
 @pytest.mark.parametrize("name", ["2026-12-01-llama70b-2xh200.json", "2026-12-01-load-rate-8b-h200.json",
-                                  "2026-12-01-moe-ep-2xh200.json"])
+                                  "2026-12-01-moe-ep-2xh200.json", "2026-12-01-first-step-wan14b-h200.json"])
 def test_committed_results_get_a_section_and_stay_out_of_the_bench_tables(name: str, tmp_path: Path) -> None:
     doc = json.loads((RESULTS / name).read_text())
     assert is_script_doc(doc) and "runs" not in doc
