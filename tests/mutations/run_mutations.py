@@ -159,6 +159,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            pass  # mutated: the host scalar's .to(cpu) is rewritten too\n",
         (("core", ("tests/test_passes_properties.py",)),),
     ),
+    Mutation(
+        "j", "shared unit compiles: the structure key leaves out the input layouts (a unit reuses code compiled "
+        "for other shapes, strides or dtypes)",
+        "magi_core/execute/unit_compile.py",
+        "        key = (tuple(parts), tuple(metas))\n",
+        "        key = (tuple(parts), ())\n",
+        (("core", ("tests/test_unit_direct.py",)),),
+    ),
 )
 
 
