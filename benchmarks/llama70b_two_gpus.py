@@ -13,15 +13,16 @@ node holds the weights once (two private copies would not fit). Each rank then r
 parallel, same inputs) with half the weights resident (``gpu_resident_weight_ratio=0.5``) and streams the
 rest. Reported (rank 0 writes the JSON, with every rank's figures): load seconds and rate, shared-memory
 bytes of the node before / after (``/proc/meminfo`` Shmem) against the weight bytes, each rank's step time
-against its ideal (streamed bytes / the host-to-device rate measured while both ranks copy), time to first
-step. On the cpu backend ``--layers 2 --hidden 64`` runs a tiny version with two gloo ranks (a rehearsal).
+against its ideal (the issue's: its streamed bytes / its own host-to-device rate, measured from a pinned probe
+with every rank copying at once, or its profiled compute, whichever is larger; also against the rate of copying
+the whole arena and against the planning probe's rate), time to first step. On the cpu backend
+``--layers 2 --hidden 64`` runs a tiny version with two gloo ranks (a rehearsal, tested).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
 import time
 import zlib
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from script_io import emit_json, start_ranks
 
 import magi_core
-from magi_core.bench.measure import main_tensor
+from magi_core.bench.measure import cpu_name, main_tensor
 from magi_core.config import OffloadConfig
 from magi_core.host import CallableSource, HostOptions
 from magi_core.host.memstat import system_memory
@@ -73,6 +74,14 @@ def arena_rate(host: Any, dm: Any, device: torch.device, chunk: int = 256 << 20)
         buf[: p.numel()].copy_(p, non_blocking=True)
     dm.synchronize()
     return sum(p.numel() for p in pieces) / (time.perf_counter() - t0)
+
+
+def link_rate_all_ranks(be: Any, device: torch.device) -> float:
+    """This rank's host-to-device bytes/s from a pinned probe buffer, every rank copying at once (a barrier first)."""
+    from magi_core.execute.profiler import measure_h2d_bandwidth
+
+    dist.barrier()
+    return measure_h2d_bandwidth(be, device=device, iters=8, broadcast=False)
 
 
 def numa_facts(host: Any, device_index: int, be: Any) -> dict[str, Any]:
@@ -159,11 +168,17 @@ def main() -> None:
     rt = magi_core.handle(model).runtime
     step = statistics.median(times)
     whole_arena = arena_rate(host, dm, device) if be.is_accelerator else None
+    link = link_rate_all_ranks(be, device)
     streamed = rt.executor.actions.streamed_bytes
+    compute_ms = sum(p.compute_ms for p in rt.profiles or [])
+    ideal_ms = max(streamed / link * 1e3, compute_ms)
     mine = {"rank": rank, "step_ms": step * 1e3, "first_step_s": first_s, "load_s": load_s,
             "streamed_bytes": streamed, "resident_bytes": rt.executor.actions.resident_bytes,
-            "link_GBps": rt.bandwidth_Bps / 1e9, "ideal_ms": streamed / rt.bandwidth_Bps * 1e3,
-            "x_ideal": step / (streamed / rt.bandwidth_Bps), "finite": bool(torch.isfinite(out).all()),
+            # the issue's ideal: this rank's streamed bytes at its own rate with every rank copying, or its compute
+            "link_GBps": link / 1e9, "compute_ms": compute_ms, "ideal_ms": ideal_ms, "x_ideal": step * 1e3 / ideal_ms,
+            # the planning probe's rate (rank 0's, measured at the first call)
+            "planning_link_GBps": rt.bandwidth_Bps / 1e9, "x_planning_ideal": step / (streamed / rt.bandwidth_Bps),
+            "finite": bool(torch.isfinite(out).all()),
             "load": host.report.get("load"), "node_bytes": host.report.get("node_bytes"),
             # the link from the whole arena, every rank at once, and where its pages and this device sit
             "arena_copy_GBps": whole_arena / 1e9 if whole_arena else None,
@@ -175,7 +190,7 @@ def main() -> None:
     dist.all_gather_object(everyone, mine)
     weight_bytes = host.weight_bytes
     doc = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "hardware": dm.get_device_name() if be.is_accelerator else platform.processor(), "gpus": world,
+           "hardware": dm.get_device_name() if be.is_accelerator else cpu_name(), "gpus": world,
            "torch": torch.__version__, "magi_core": magi_core.__version__, "layers": args.layers,
            "hidden": args.hidden, "tokens": args.tokens, "ratio": args.ratio, "weight_bytes": weight_bytes,
            "shmem_added_bytes": shm_after - shm_before, "shmem_over_weights": (shm_after - shm_before) / weight_bytes,

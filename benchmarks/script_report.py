@@ -43,13 +43,14 @@ def two_gpu_run(doc: dict[str, Any]) -> list[str]:
              f"torch {doc.get('torch')}, {human_bytes(doc.get('weight_bytes'))} of weights, ratio "
              f"{doc.get('ratio')}; shared memory grew by {_f(doc.get('shmem_over_weights'), '{:.4f}')}x the "
              f"weights; command: `{doc.get('command')}`", "",
-             "| rank | step ms | ideal ms | x ideal | streamed | link GB/s | arena copy GB/s | load s | "
-             "load GB/s | first step s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| rank | step ms | ideal ms | x ideal | streamed | link GB/s | planning probe GB/s | arena copy GB/s | "
+             "load s | load GB/s | first step s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc.get("ranks", []):
         load = r.get("load") or {}
         lines.append(f"| {r.get('rank')} | {_f(r.get('step_ms'))} | {_f(r.get('ideal_ms'))} | "
                      f"{_f(r.get('x_ideal'), '{:.3f}')} | {human_bytes(r.get('streamed_bytes'))} | "
-                     f"{_f(r.get('link_GBps'), '{:.2f}')} | {_f(r.get('arena_copy_GBps'), '{:.2f}')} | "
+                     f"{_f(r.get('link_GBps'), '{:.2f}')} | {_f(r.get('planning_link_GBps'), '{:.2f}')} | "
+                     f"{_f(r.get('arena_copy_GBps'), '{:.2f}')} | "
                      f"{_f(r.get('load_s'))} | {_f(load.get('GBps'), '{:.2f}')} | {_f(r.get('first_step_s'))} |")
     targets = doc.get("targets", {})
     lines += ["", "Targets: " + "; ".join(f"{k}: **{'met' if v else 'missed'}**" for k, v in targets.items())
@@ -138,7 +139,9 @@ def first_step_run(doc: dict[str, Any]) -> list[str]:
 SECTIONS: tuple[tuple[Callable[[dict[str, Any]], bool], str, str, Callable[[dict[str, Any]], list[str]]], ...] = (
     (is_two_gpu_doc, "One host copy, several GPUs (`benchmarks/llama70b_two_gpus.py`)",
      "Every rank runs the model (data parallel) from one copy of the weights in shared memory, half of them "
-     "resident; ideal = the bytes it streams / the host-to-device rate measured with every rank copying.",
+     "resident; ideal = the bytes it streams / its own host-to-device rate from a pinned probe with every rank "
+     "copying at once, or its profiled compute if larger (runs without a planning-probe column used rank 0's "
+     "planning probe as the link rate).",
      two_gpu_run),
     (is_load_rate_doc, "Loading a checkpoint into the host arena (`benchmarks/load_rate.py`)",
      "`page_cache`: reading the files (already in the page cache) into one reused buffer; `page_cache_fresh`: into "

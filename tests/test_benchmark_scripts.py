@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -81,3 +83,28 @@ def test_load_rate_compares_magi_with_threads_against_the_page_cache(tmp_path: P
     assert rows["magi"][0]["bytes_read"] == rows["magi_threads_2"][0]["bytes_read"] == nbytes > 0
     assert nbytes < doc["checkpoint"]["bytes"] < nbytes + 4096 * 4
     assert doc["threads_read_vs_page_cache"]["2"] > 0 and doc["magi_read_vs_page_cache"] > 0
+
+
+def test_llama70b_rehearsal_two_gloo_ranks_one_host_copy(tmp_path: Path) -> None:
+    """The 70B script's tiny rehearsal (two gloo ranks on the CPU): one host copy for the node, every rank's step
+    against its own ideal (its streamed bytes at its own rate measured with every rank copying, or its compute)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "llama70b.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "benchmarks" / "llama70b_two_gpus.py"), "--layers", "2", "--hidden", "64", "--tokens", "16",
+           "--steps", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert 0.99 <= doc["shmem_over_weights"] <= 1.02 and doc["targets"]["host weights <= 1.02 W"]
+    ranks = doc["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["finite"] for r in ranks)
+    for r in ranks:
+        nb = r["node_bytes"]
+        assert nb["distinct"] == nb["all_shared"] == doc["weight_bytes"] and nb["all_private"] == 2 * nb["distinct"]
+        assert r["streamed_bytes"] + r["resident_bytes"] <= doc["weight_bytes"] and r["streamed_bytes"] > 0
+        assert r["link_GBps"] > 0 and r["planning_link_GBps"] > 0 and r["compute_ms"] > 0
+        want = max(r["streamed_bytes"] / (r["link_GBps"] * 1e9) * 1e3, r["compute_ms"])
+        assert r["ideal_ms"] == pytest.approx(want) and r["x_ideal"] == pytest.approx(r["step_ms"] / want)
+        assert r["load"]["strict"] and not r["load"]["missing"] and r["plans"]
+    assert doc["targets"]["step <= 1.02x ideal"] == all(r["x_ideal"] <= 1.02 for r in ranks)
