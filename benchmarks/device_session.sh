@@ -122,7 +122,7 @@ fi
 if [ "$what" = first-step ]; then  # time to the first offloaded step against diffusers and accelerate
   ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/wan14b
   python3 benchmarks/first_step_vs_peers.py --model wan14b --dir "$ck" --out "$OUT/first-step-wan14b.json" \
-    --worker-timeout "${MAGI_WORKER_TIMEOUT:-170}" 2>&1 | tail -n 8 || rc=1
+    --worker-timeout "${MAGI_WORKER_TIMEOUT:-300}" 2>&1 | tail -n 8 || rc=1
   rm -rf "$ck"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
