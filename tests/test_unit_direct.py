@@ -164,3 +164,47 @@ class _WithBuffer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (x @ w) * self.scale
+
+
+def test_shared_unit_code_sees_weights_edited_after_offload_and_threads_on_the_first_call() -> None:
+    """Blocks that share one compiled unit read their own host weights on every call: an in-place edit of one
+    block's weight after offload changes the output exactly as in the eager model; four threads making the first
+    calls at once get the eager model's output too."""
+    import threading
+
+    import magi_core
+
+    spec = TransformerSpec(layers=4, hidden=32, heads=2)
+    model = build_transformer(spec)
+    x = example_input(spec, tokens=4)
+    with torch.no_grad():
+        want = model(x, 1e-5)
+    torch._dynamo.reset()
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=0.0, unit_compiler="inductor"))
+    outs: list[torch.Tensor] = []
+
+    def call() -> None:
+        with torch.no_grad():
+            outs.append(model(x, 1e-5).cpu())
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outs) == 4
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    cache = magi_core.handle(model).runtime.executor.compiled_units
+    assert cache.reused >= spec.layers - 1
+    weight = next(p for n, p in model.named_parameters() if p.dim() == 2 and ".2." in f".{n}")  # the third block's
+    with torch.no_grad():
+        weight.mul_(-2.0)
+        edited = [model(x, 1e-5).cpu() for _ in range(2)][-1]
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    magi_core.release(model)
+    assert not torch.allclose(edited, want, rtol=1e-3, atol=1e-3)
+    reference = build_transformer(spec)
+    reference.load_state_dict(weights)
+    with torch.no_grad():
+        torch.testing.assert_close(edited, reference(x, 1e-5), rtol=1e-4, atol=1e-4)

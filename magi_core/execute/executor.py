@@ -138,9 +138,9 @@ class OffloadExecutor:
         self._store = store if store is not None else RESIDENT
         #: Per unit: True once its Inductor code is called directly, False when wrapped, None before compiling.
         self.direct_units: list[bool | None] = [None] * len(split.units)
-        #: One boxed callable per unit (takes a fresh list of its arguments, which it may clear).
         #: Inductor code by unit structure: the units of identical blocks compile once.
         self.compiled_units = CompiledUnits()
+        #: One boxed callable per unit (takes a fresh list of its arguments, which it may clear).
         self.fns: list[UnitFn] = [
             unit_callable(u.module, u.attr, unit_compiler, self._installer(u.index), direct_unit_calls,
                           self.compiled_units)
