@@ -51,6 +51,33 @@ def test_weights_pinned_in_place_and_copy_non_blocking(dev: torch.device, shm_di
             assert torch.equal(on_dev[k].cpu(), ref[k]), k
 
 
+def test_pieces_pinned_while_filling_copy_non_blocking(dev: torch.device, shm_dir: str,
+                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An arena registered in many pieces while a checkpoint is read into it by four threads (each tensor in one
+    piece): the runtime sees every tensor as pinned and copies it exactly, asynchronously."""
+    from safetensors.torch import save_file
+
+    from magi_core.host import pinning
+
+    monkeypatch.setattr(pinning, "AHEAD_GROUP", 64 << 10)
+    ref = _model().state_dict()
+    path = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(path))
+    with torch.device("meta"):
+        m = _model()
+    with materialize(m, options=HostOptions(progress=False, load_threads=4), source=str(path)) as hw:
+        assert hw.report["pin"]["ahead_bytes"] == hw.pinned_bytes >= hw.weight_bytes
+        assert len(hw.pinned_ranges) > 8
+        dm = get_backend().device_module
+        stream = dm.Stream()
+        with dm.stream(stream):
+            on_dev = {k: v.to(dev, non_blocking=True) for k, v in m.state_dict().items()}
+        stream.synchronize()
+        for k, v in m.state_dict().items():
+            assert hw.is_pinned(v) and v.is_pinned(), k
+            assert torch.equal(on_dev[k].cpu(), ref[k]), k
+
+
 def test_model_to_device_keeps_host_weights(dev: torch.device, shm_dir: str) -> None:
     m = _model()
     with materialize(m, options=OPTS) as hw:

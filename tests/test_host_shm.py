@@ -150,6 +150,96 @@ def test_no_room_in_small_tmpfs_leaves_model_unchanged(tiny_tmpfs: str) -> None:
     assert os.listdir(tiny_tmpfs) == []
 
 
+_TAKEN_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    from safetensors.torch import save_file
+    from torch import nn
+    from magi_core.host import CallableSource, HostOptions, ShmSpaceError, materialize
+    shm_dir, how = sys.argv[1], sys.argv[2]
+    def build():
+        return nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])  # 8 x 66 KB of 1 MiB
+    taken = []
+    def take_the_rest(*_):  # another process fills the filesystem while we write
+        if not taken:
+            taken.append(os.path.join(shm_dir, "someone-else"))
+            fd = os.open(taken[0], os.O_WRONLY | os.O_CREAT)
+            try:
+                while os.write(fd, bytes(4096)):
+                    pass
+            except OSError:
+                pass
+            os.close(fd)
+    out = {}
+    try:
+        if how == "model":  # copied from the model's tensors, one thread, through the file
+            m = build()
+            before = {k: v.clone() for k, v in m.state_dict().items()}
+            materialize(m, options=HostOptions(shm_dir=shm_dir, progress=False), on_progress=take_the_rest)
+        else:
+            ref = build()
+            with torch.device("meta"):
+                m = build()
+            if how == "files":  # one thread, through the file (sendfile)
+                path = os.path.join(sys.argv[3], "w.safetensors")
+                save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
+                source, opts, hook = path, HostOptions(shm_dir=shm_dir, progress=False, load_threads=1), take_the_rest
+            else:  # a function: "threads" from two threads through the mapping, "function" one (pwrite)
+                def fn(name, meta):
+                    take_the_rest()
+                    return ref.state_dict()[name]
+                source = CallableSource(fn, thread_safe=how == "threads")
+                opts, hook = HostOptions(shm_dir=shm_dir, progress=False, load_threads=2), None
+            materialize(m, options=opts, on_progress=hook, source=source)
+        out["error"] = None
+    except ShmSpaceError as exc:
+        out.update(error=type(exc).__name__, message=str(exc))
+    if how == "model":
+        out["unchanged"] = all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    else:
+        out["unchanged"] = all(p.device.type == "meta" for p in m.parameters())
+    out["left"] = sorted(os.listdir(shm_dir))
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("how", ["model", "files", "function", "threads"])
+def test_space_taken_while_filling_is_a_clear_error_not_sigbus(tiny_tmpfs: str, tmp_path: Path, how: str) -> None:
+    """Files are created sparse where the kernel can allocate a range with an error instead of SIGBUS: another
+    process taking the room between the check and the writes gives ShmSpaceError, the model as it was and no
+    file of ours left (a model's tensors copied, a file or a function read by one thread through the file, a
+    function called by two threads writing through the mapping)."""
+    if not shm.can_populate():
+        pytest.skip("the kernel reserves whole files up front here (no MADV_POPULATE_WRITE)")
+    proc = subprocess.run([sys.executable, "-c", _TAKEN_SCRIPT, tiny_tmpfs, how, str(tmp_path)],
+                          env=child_env(tiny_tmpfs), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])  # -7 would be SIGBUS
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["error"] == "ShmSpaceError" and "while filling" in out["message"], out
+    assert out["unchanged"] and out["left"] == ["someone-else"], out
+
+
+def test_sparse_file_allocates_what_is_written(shm_dir: str) -> None:
+    """A file created without reserving holds no pages until a range is allocated, through the fd or a mapping."""
+    path = os.path.join(shm_dir, shm.file_name(shm.Owner.current(), "sparse"))
+    fd = shm.create(path, 64 * 4096, reserve=False)
+    try:
+        assert os.fstat(fd).st_size == 64 * 4096 and os.fstat(fd).st_blocks == 0
+        shm.allocate(shm_dir, 8 * 4096, fd=fd, offset=0)
+        assert os.fstat(fd).st_blocks * 512 == 8 * 4096
+        if shm.can_populate():
+            mm = shm.map_fd(fd, 64 * 4096)
+            first = torch.frombuffer(mm, dtype=torch.uint8)
+            shm.allocate(shm_dir, 4096 + 1, ptr=first.data_ptr() + 32 * 4096 - 1)  # two pages, unaligned
+            assert os.fstat(fd).st_blocks * 512 == 8 * 4096 + 2 * 4096
+            assert int(first[31 * 4096:33 * 4096].sum()) == 0
+            del first
+            mm.close()
+    finally:
+        os.close(fd)
+        shm.unlink(path)
+
+
 _FSIZE_SCRIPT = textwrap.dedent("""
     import json, os, resource, sys
     import torch

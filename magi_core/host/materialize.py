@@ -12,8 +12,9 @@ so they never touch the device):
    signature and claim), which member writes it (spread over the members), and whether the others must compare
    it with their own values (:func:`magi_core.host.topology.plan_sharing`). Each set of members gets one file per
    dtype, created by its lowest rank
-3. creators create their files exclusively (0600, ``flock``-ed until unlinked) with the space reserved;
-   gather status (no room: every rank raises, nothing was changed)
+3. creators create their files exclusively (0600, ``flock``-ed until unlinked): sparse where the kernel has
+   ``MADV_POPULATE_WRITE`` (each writer thread allocates what it fills, with a clear error on a full
+   filesystem), else with the space reserved; gather status (no room: every rank raises, nothing was changed)
 4. every member maps its files; each slot's writer copies its own values (or reads the source) into it and
    swaps the mapping into the module at once (the original is freed there); gather status (under
    copy_on_write a file several ranks map is written through a temporary shared mapping and the modules get
@@ -23,7 +24,9 @@ so they never touch the device):
    its own in a second round (3-5 with files of one rank); with ``"error"`` every rank raises naming the
    tensors (and every rank's model is put back as it was)
 6. pin in waves of ``concurrency`` ranks per node; then read_only: protect the shared mappings,
-   copy_on_write: report a pin that copied the shared pages
+   copy_on_write: report a pin that copied the shared pages. An arena only this rank maps (one rank per node,
+   a copy of its own) is pinned in pieces while step 4 fills it (:class:`pinning.PinAhead`), unless a pin
+   budget is set; step 6 pins what is left
 
 Host memory per node is the bytes of the distinct tensors: each is held once per distinct content.
 
@@ -369,6 +372,8 @@ class _Round:
     created: list[str]  # arena keys whose file this rank creates
     locks: dict[str, int]  # created key -> fd holding the file's lock until it is unlinked
     fds: dict[str, int] = field(default_factory=dict)  # arena key -> fd this rank writes through (closed after)
+    # files created sparse: each writer allocates the slots it fills just before filling them (in parallel threads)
+    sparse: bool = False
 
 
 class _Materializer:
@@ -384,6 +389,8 @@ class _Materializer:
         self.devices: dict[int, torch.device] = {}
         self.own_fps: dict[int, list[int]] = {}  # id(slot) -> sampled fingerprints of its entries
         self.cleaned = False
+        self.pinned_ahead: dict[int, int] = {}  # arena ptr -> bytes registered from its start while filling
+        self.ahead_seconds = 0.0
         self.round: _Round | None = None
         self.done = 0  # bytes written or mapped so far (progress)
         self.total = 0
@@ -584,7 +591,7 @@ class _Materializer:
             tag = f"node{min(m)}-{k}" if m == full and rnd == 0 else f"rank{min(m)}-{k}"
             paths[k] = os.path.join(opts.shm_dir, shm.file_name(infos[min(m)]["owner"], tag))
         created = [k for k in sizes if min(members[k]) == self.rank]
-        rd = self.round = _Round(items, sizes, members, paths, created, {})
+        rd = self.round = _Round(items, sizes, members, paths, created, {}, sparse=shm.can_populate())
 
         def undo() -> None:
             self._undo(hw)
@@ -598,12 +605,12 @@ class _Materializer:
                     self.cleaned = True
                 shm.check_room(opts.shm_dir, sum(sizes[k] for k in created), files=len(created))
                 for k in created:
-                    rd.locks[k] = shm.create(paths[k], sizes[k])
+                    rd.locks[k] = shm.create(paths[k], sizes[k], reserve=not rd.sparse)
             except BaseException as exc:
                 err = exc
                 self._drop_files(rd.locks, {k: paths[k] for k in created})
         self._fail_all(self._gather_status(err), err, undo)
-        if created:  # space reserved whole here (one thread): the writers' page faults on it are cheap
+        if created:  # sparse: each writer allocates what it fills; else reserved whole here
             self._phase(hw, "created" if rnd == 0 else "created_own")
 
         # 4. the writers map their files, fill their slots and swap each in at once
@@ -706,12 +713,28 @@ class _Materializer:
         threads = self._load_threads(loaded) if loader is not None and loader.parallel else 1
         buf: torch.Tensor | None = None
         into: list[torch.Tensor] = []
+        opts_dir = self.opts.shm_dir
         t0 = time.perf_counter()
 
+        def allocate(slot: Slot, into: torch.Tensor, fd: int | None) -> None:
+            # a sparse file: this slot's pages now (through the file, or mapped by this thread), a clear error
+            # when the filesystem is full instead of SIGBUS on a write
+            if rd.sparse:
+                assert opts_dir is not None
+                if fd is not None:
+                    shm.allocate(opts_dir, slot.nbytes, fd=fd, offset=slot.offset)
+                else:
+                    shm.allocate(opts_dir, slot.nbytes, ptr=into.data_ptr() + slot.offset)
+
+        ahead = self._pin_ahead(arenas, rd)
+
         def adopt(slot: Slot, bar: tqdm) -> None:
-            views = slot.views(by_key[slot.arena].buf, slot.offset)
+            arena_buf = by_key[slot.arena].buf
+            views = slot.views(arena_buf, slot.offset)
             self.adopted.add(id(slot))
             hw._adopt(list(zip(slot.entries, views, strict=True)))  # the originals are freed here
+            if ahead is not None:
+                ahead.written(arena_buf.data_ptr(), slot.offset)
             self.done += slot.nbytes
             bar.update(slot.nbytes)
             if self.on_progress is not None:
@@ -728,6 +751,7 @@ class _Materializer:
                         # file (sendfile, pwrite) take the file's lock one writer at a time
                         if not hasattr(local, "staging"):
                             local.staging = loader.thread_staging(threads)
+                        allocate(slot, dst[slot.arena], None)
                         loader.fill(slot, dst[slot.arena], slot.offset, None, local.staging)
                         return slot
 
@@ -744,12 +768,22 @@ class _Materializer:
                     mine = [s for s in mine if id(s) not in loaded_set]
                 for slot in mine:
                     buf = dst[slot.arena]
+                    allocate(slot, buf, rd.fds.get(slot.arena))
                     if loader is not None and loader.owns(slot):
                         loader.fill(slot, buf, slot.offset, rd.fds.get(slot.arena))
                     else:
                         into = slot.views(buf, slot.offset)
                         slot.copy_from_model(buf[slot.offset: slot.offset + slot.nbytes], into)
                     adopt(slot, bar)
+            if ahead is not None:
+                hw._ranges.extend(ahead.finish())
+                for ptr in ahead.arenas:
+                    self.pinned_ahead[ptr] = ahead.pinned_upto(ptr)
+                self.ahead_seconds += ahead.seconds
+        except BaseException:
+            if ahead is not None:
+                ahead.abort()
+            raise
         finally:
             if loader is not None and loaded:
                 loader.seconds += time.perf_counter() - t0
@@ -766,6 +800,21 @@ class _Materializer:
                     except BufferError:  # a view still exists somewhere: unmapped when it dies
                         pass
                     a.write_map = None
+
+    def _pin_ahead(self, arenas: list[Arena], rd: _Round) -> pinning.PinAhead | None:
+        """Pinning that overlaps filling (:class:`pinning.PinAhead`) for the arenas only this rank maps and fills
+        (shared mappings); None when there are none, when pinning is off, or under a pin budget (which pins arenas
+        in order, after filling)."""
+        opts = self.opts
+        if not opts.pin or self.backend is None or opts.pin_budget_bytes is not None:
+            return None
+        mine = [a for a in arenas if a.mapping is not None and not a.private and a.write_map is None
+                and tuple(a.shared_by) == (self.rank,)]
+        if not mine:
+            return None
+        return pinning.PinAhead(self.backend, [
+            (a.buf.data_ptr(), a.nbytes, [(s.offset, s.offset + s.nbytes) for s, _ in rd.items if s.arena == a.key])
+            for a in mine], rank=self.rank)
 
     def _load_threads(self, slots: list[Slot]) -> int:
         """Threads filling slots from files: HostOptions.load_threads, else the cores shared by the node's ranks (at
@@ -848,7 +897,11 @@ class _Materializer:
     def _rollback(self, hw: HostWeights) -> None:
         """Give every tensor already swapped into a mapping memory of its own again, on its original device,
         with the same values (a tensor loaded from a source: its meta tensor back); forget the mappings
-        (unmapped once the last view dies)."""
+        (unmapped once the last view dies); what was pinned while filling is unregistered first."""
+        if hw._ranges and self.backend is not None:
+            pinning.unpin_ranges(self.backend, hw._ranges)
+        hw._ranges = []
+        self.pinned_ahead.clear()
         for slot in hw.layout.slots:
             if id(slot) not in self.adopted:
                 continue
@@ -997,29 +1050,42 @@ class _Materializer:
         waves = max(pinning.wave_plan(0, len(rs), conc(rs))[1] for rs in nodes.values())
         c = conc(list(topo.node_ranks))
         my_wave, _ = pinning.wave_plan(topo.local_rank, topo.local_world_size, c)
-        ranges = [(a.buf.data_ptr(), a.nbytes) for a in hw.arenas]
+        ranges: list[tuple[int, int]] = []  # what is left after pinning ahead (whole arenas without it)
+        extents: dict[int, list[tuple[int, int]]] = {}
+        for a in hw.arenas:
+            ptr = a.buf.data_ptr()
+            upto = self.pinned_ahead.get(ptr, 0)
+            if upto < a.nbytes:
+                ranges.append((ptr + upto, a.nbytes - upto))
+                extents[ptr + upto] = sorted((s.offset - upto, s.offset + s.nbytes - upto) for s in hw.layout.slots
+                                             if s.arena == a.key and s.offset >= upto)
+        ahead_bytes, ahead_s = hw.pinned_bytes, self.ahead_seconds
         result = pinning.PinResult()
-        budget_total = sum(n for _, n in ranges) if opts.pin_budget_bytes is None else \
-            min(opts.pin_budget_bytes, sum(n for _, n in ranges))
+        budget_total = ahead_bytes + (sum(n for _, n in ranges) if opts.pin_budget_bytes is None else
+                                      min(opts.pin_budget_bytes, sum(n for _, n in ranges)))
         for w in range(waves):
             if w == my_wave:
-                done = 0
+                done = ahead_bytes
                 with self._progress("magi: pin", budget_total) as bar:
+                    bar.update(done)
+                    if done and self.on_progress is not None:
+                        self.on_progress("pin", done, budget_total)
+
                     def step(n: int) -> None:
                         nonlocal done
                         done += n
                         bar.update(n)
                         if self.on_progress is not None:
                             self.on_progress("pin", done, budget_total)
-                    extents = {a.buf.data_ptr(): sorted((s.offset, s.offset + s.nbytes) for s in hw.layout.slots
-                                                        if s.arena == a.key) for a in hw.arenas}
                     result = pinning.pin_ranges(self.backend, ranges, opts.pin_budget_bytes, step, self.rank,
                                                 extents)
-                hw._ranges = result.ranges
-                logger.info("rank %d: pinned %d of %d bytes in %.2fs (wave %d of %d, %d rank(s) at once)",
-                            self.rank, result.pinned_bytes, sum(n for _, n in ranges), result.seconds, w + 1, waves, c)
+                hw._ranges.extend(result.ranges)
+                logger.info("rank %d: pinned %d of %d bytes in %.2fs (wave %d of %d, %d rank(s) at once; %d bytes "
+                            "while filling, in %.2fs)", self.rank, result.pinned_bytes, sum(n for _, n in ranges),
+                            result.seconds, w + 1, waves, c, ahead_bytes, ahead_s)
             self.coord.barrier()
-        hw.report["pin"] = {"seconds": result.seconds, "pinned_bytes": result.pinned_bytes, "wave": my_wave,
+        hw.report["pin"] = {"seconds": result.seconds + ahead_s, "pinned_bytes": hw.pinned_bytes,
+                            "ahead_bytes": ahead_bytes, "ahead_seconds": ahead_s, "wave": my_wave,
                             "waves": waves, "concurrency": c, "budget": opts.pin_budget_bytes, "error": result.error,
                             "memlock": pinning.memlock_limit() if result.error else None}
         self._phase(hw, "pinned")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -120,3 +121,136 @@ def unpin_ranges(backend: Backend, ranges: list[tuple[int, int]]) -> list[str]:
     for err in errors:
         logger.error("host unregister failed for %s", err)
     return errors
+
+
+def cut_after(n: int, extents: Sequence[tuple[int, int]]) -> int:
+    """The smallest page-aligned cut >= ``n`` that no tensor (start, end byte offsets) straddles."""
+    cut = -(-n // PAGE) * PAGE
+    moved = True
+    while moved:
+        moved = False
+        for start, end in extents:
+            if start < cut < end:
+                cut = -(-end // PAGE) * PAGE
+                moved = True
+    return cut
+
+
+#: Bytes :class:`PinAhead` registers at a time (cut between tensors).
+AHEAD_GROUP = 512 << 20
+
+
+@dataclass
+class _AheadArena:
+    ptr: int
+    nbytes: int
+    extents: list[tuple[int, int]]  # every tensor region in it, sorted: all must be written before it is pinned
+    written: set[int] = field(default_factory=set)  # starts of the regions written so far
+    ready: int = 0  # index of the first region (in ``extents``) not written yet
+    pinned: int = 0  # registered from the arena's start up to here
+
+
+class PinAhead:
+    """Registers arenas while they are being filled, from a thread of its own, so pinning overlaps filling.
+
+    ``arenas``: (ptr, nbytes, extents) per arena (page-aligned ptr), where ``extents`` are the byte offsets
+    (start, end) of every tensor region in it. Each arena is registered in pieces of at least ``group`` bytes
+    (default :data:`AHEAD_GROUP`) from its start, each cut between tensors (:func:`cut_after`) and registered
+    once every region in it is :meth:`written`: a tensor lies in one registration, and no registered page is
+    written afterwards. On the H200 host a 16 GiB sparse arena read from the page cache by 8 threads and pinned
+    piece by piece meanwhile took 3.3-3.9 s, against 5.0-5.8 s reserved whole, filled, then pinned. A refused
+    registration stops it: the rest is left to :func:`pin_ranges` (which logs the error). The backend's
+    register is called from this thread, one call at a time.
+    """
+
+    def __init__(self, backend: Backend, arenas: Sequence[tuple[int, int, Sequence[tuple[int, int]]]],
+                 group: int | None = None, rank: int = 0) -> None:
+        self.backend = backend
+        self.group = max(PAGE, group if group is not None else AHEAD_GROUP)
+        self.rank = rank
+        self.arenas = {p: _AheadArena(p, n, sorted(ext)) for p, n, ext in arenas}
+        self.ranges: list[tuple[int, int]] = []
+        self.error: str | None = None
+        self.seconds = 0.0  # time spent registering
+        self._cv = threading.Condition()
+        self._stop = False
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"magi-pin-ahead-{rank}", daemon=True)
+        self._thread.start()
+
+    def written(self, ptr: int, start: int) -> None:
+        """The region starting at byte ``start`` of the arena at ``ptr`` holds its final bytes."""
+        with self._cv:
+            a = self.arenas.get(ptr)
+            if a is None:
+                return
+            a.written.add(start)
+            while a.ready < len(a.extents) and a.extents[a.ready][0] in a.written:
+                a.ready += 1
+            self._cv.notify()
+
+    def pinned_upto(self, ptr: int) -> int:
+        """Bytes of the arena at ``ptr`` registered from its start (0 for an arena not given)."""
+        with self._cv:
+            a = self.arenas.get(ptr)
+            return a.pinned if a is not None else 0
+
+    def finish(self) -> list[tuple[int, int]]:
+        """Register what is written and not registered yet, then stop; the ranges registered (an arena not
+        written whole, or one after a refused registration, is left partly unregistered: see :meth:`pinned_upto`)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+        return list(self.ranges)
+
+    def abort(self) -> list[str]:
+        """Stop, and unregister what was registered; the errors met doing so."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join()
+        errors = unpin_ranges(self.backend, self.ranges)
+        self.ranges = []
+        for a in self.arenas.values():
+            a.pinned = 0
+        return errors
+
+    def _next(self) -> tuple[_AheadArena, int] | None:
+        """An arena whose next piece may be registered now, with the piece's end; None when none may."""
+        for a in self.arenas.values():
+            if a.pinned >= a.nbytes:
+                continue
+            hi = min(a.nbytes, cut_after(a.pinned + self.group, a.extents))
+            written_upto = a.extents[a.ready][0] if a.ready < len(a.extents) else a.nbytes
+            if hi <= written_upto:
+                return a, hi
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if self._stop:
+                        return
+                    job = self._next()
+                    if job is not None:
+                        break
+                    if self._closing or all(a.pinned >= a.nbytes for a in self.arenas.values()):
+                        return
+                    self._cv.wait()
+            a, hi = job
+            lo = a.pinned
+            t0 = time.perf_counter()
+            try:
+                self.backend.host_register(a.ptr + lo, hi - lo)
+            except Exception as exc:  # the rest is left to pin_ranges, which logs its own refusal
+                self.error = f"{type(exc).__name__}: {exc}"
+                logger.debug("rank %d: pinning ahead stopped at %#x (+%d bytes): %s", self.rank, a.ptr + lo,
+                             hi - lo, self.error)
+                return
+            finally:
+                self.seconds += time.perf_counter() - t0
+            with self._cv:
+                self.ranges.append((a.ptr + lo, hi - lo))
+                a.pinned = hi

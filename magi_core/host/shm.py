@@ -1,5 +1,6 @@
-"""Shared-memory files: job-unique names, a checked directory, exclusive 0600 create with space reserved up
-front, an owner's lock, mapping (shared or copy-on-write), unlinking, and removal of files left by crashed
+"""Shared-memory files: job-unique names, a checked directory, exclusive 0600 create (space reserved up front,
+or allocated range by range by the writers' threads where the kernel reports a full filesystem as an error
+rather than SIGBUS), an owner's lock, mapping (shared or copy-on-write), unlinking, and removal of files left by crashed
 runs — only those.
 
 Name: ``magi-u<uid>-p<pid>.<start>-<job>-<random>-<tag>.bin`` where ``pid`` and ``start`` (its start
@@ -255,13 +256,15 @@ def check_room(shm_dir: str, needed: int, files: int = 1) -> None:
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
-def create(path: str, nbytes: int) -> int:
-    """Create ``path`` exclusively (mode 0600), lock it (``LOCK_EX``) and reserve ``nbytes``; return the open fd.
+def create(path: str, nbytes: int, *, reserve: bool = True) -> int:
+    """Create ``path`` exclusively (mode 0600), lock it (``LOCK_EX``) and size it to ``nbytes``; return the open fd.
 
     The lock is held for as long as this fd (or a mapping made from it) stays open: close it only after the
-    file is unlinked. The space is allocated before anything maps the file, so a full filesystem fails here
-    with :class:`ShmSpaceError` (and the partial file is removed) instead of SIGBUS on first touch; so does
-    running out of inodes.
+    file is unlinked. ``reserve``: the space is allocated here, before anything maps the file, so a full
+    filesystem fails here with :class:`ShmSpaceError` (and the partial file is removed) instead of SIGBUS on
+    first touch. ``reserve=False`` leaves the file sparse: every writer must then allocate the range it writes
+    first (:func:`allocate`), which its own threads can do in parallel while they fill it. Running out of
+    inodes fails here either way.
     """
     shm_dir = os.path.dirname(path)
     for _ in range(3):
@@ -288,7 +291,10 @@ def create(path: str, nbytes: int) -> int:
         raise FileExistsError(errno.EEXIST, f"{path} was removed three times while being created")
     try:
         os.fchmod(fd, 0o600)
-        os.posix_fallocate(fd, 0, nbytes)
+        if reserve:
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
     except OSError as exc:
         os.close(fd)
         _unlink_quiet(path)
@@ -300,6 +306,56 @@ def create(path: str, nbytes: int) -> int:
         _unlink_quiet(path)
         raise
     return fd
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_POPULATE: list[bool] = []  # [whether this kernel has it], probed once
+
+
+def can_populate() -> bool:
+    """True when this kernel can allocate and map a shared file's pages for writing with an error instead of
+    SIGBUS (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+); files are then created sparse and filled range by
+    range (:func:`allocate`), else their space is reserved whole when created (one thread, before any filling)."""
+    if not _POPULATE:
+        probe = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+        first = ctypes.c_char.from_buffer(probe)
+        try:
+            _POPULATE.append(_madvise(ctypes.addressof(first), mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0)
+        finally:
+            del first
+            probe.close()
+    return _POPULATE[0]
+
+
+def _madvise(addr: int, nbytes: int, advice: int) -> int:
+    """``madvise``; 0 or the errno (the GIL is released for the call: threads populate in parallel)."""
+    libc = _load_libc()
+    return 0 if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), advice) == 0 else ctypes.get_errno()
+
+
+def allocate(shm_dir: str, nbytes: int, *, fd: int | None = None, offset: int = 0, ptr: int | None = None) -> None:
+    """Allocate ``nbytes`` of a sparse file before writing them: through the file ``fd`` at ``offset``
+    (``fallocate``, nothing mapped), or through this process's shared writable mapping at address ``ptr``
+    (``MADV_POPULATE_WRITE``: the pages are also mapped for the writes that follow; threads may do this for
+    their own ranges at once). A full filesystem raises :class:`ShmSpaceError` here instead of SIGBUS later."""
+    if nbytes <= 0:
+        return
+    if ptr is not None:
+        page = mmap.PAGESIZE
+        lo, hi = ptr // page * page, -(-(ptr + nbytes) // page) * page
+        err = _madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
+        if err in (errno.EFAULT, errno.ENOMEM, *_SPACE_ERRNOS):  # EFAULT: a write would have raised SIGBUS
+            raise ShmSpaceError(shm_dir, nbytes, free_bytes(shm_dir), cause=f"while filling: {os.strerror(err)}")
+        if err:
+            raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {nbytes} bytes: {os.strerror(err)}")
+        return
+    assert fd is not None, "allocate() takes an fd or a mapping address"
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as exc:
+        if exc.errno in _SPACE_ERRNOS:
+            raise ShmSpaceError(shm_dir, nbytes, free_bytes(shm_dir), cause=f"while filling: {exc.strerror}") from exc
+        raise
 
 
 def open_existing(path: str, nbytes: int, *, writable: bool = False) -> int:
@@ -334,17 +390,21 @@ def map_fd(fd: int, nbytes: int, *, private: bool = False) -> mmap.mmap:
 _libc: ctypes.CDLL | None = None
 
 
+def _load_libc() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
 def protect(ptr: int, nbytes: int, *, writable: bool) -> None:
     """``mprotect`` the page-aligned range to read-only (``writable=False``) or read/write; OSError on failure.
 
     A registration made while the range was writable stays valid (checked with CUDA on an H200: device copies
     from it still work, and unregistering succeeds).
     """
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    if _libc.mprotect(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_int(prot)) != 0:
+    if _load_libc().mprotect(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_int(prot)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mprotect({ptr:#x}, {nbytes}): {os.strerror(err)}")
 

@@ -215,9 +215,10 @@ def magi_host_register(ptr: int, nbytes: int) -> None:
     """Pin the existing host range ``[ptr, ptr + nbytes)`` in place (page-lock it without copying).
 
     Called through ``Backend.host_register`` by host materialisation when it pins the weight arenas
-    (:mod:`magi_core.host.pinning`, possibly a prefix of an arena under a pin budget), and by the
-    host-to-device bandwidth probe for its buffer. It may be called from several threads at once (two
-    models materialised concurrently): keep it thread-safe, as :class:`~magi_core.plugin.HostRangeTable` is.
+    (:mod:`magi_core.host.pinning`: a whole arena, a prefix of one under a pin budget, or pieces of one from a
+    loading thread while it is filled), and by the host-to-device bandwidth probe for its buffer. It may be
+    called from any thread and from several at once (a loading thread; two models materialised concurrently):
+    keep it thread-safe, as :class:`~magi_core.plugin.HostRangeTable` is.
     Use this backend's own runtime only (never another vendor's, even when installed).
 
     Required. A range that is already registered (error 712 on CUDA and MUSA) counts as success; an invalid

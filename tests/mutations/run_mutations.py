@@ -167,6 +167,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        key = (tuple(parts), ())\n",
         (("core", ("tests/test_unit_direct.py",)),),
     ),
+    Mutation(
+        "k", "pinning while filling: a piece is registered before every tensor in it is written (its pages could "
+        "change after the runtime took them, or a tensor could straddle a piece)",
+        "magi_core/host/pinning.py",
+        "            if hi <= written_upto:\n",
+        "            if hi <= a.nbytes:\n",
+        (("core", ("tests/test_host_pin_ahead.py",)),),
+    ),
 )
 
 
