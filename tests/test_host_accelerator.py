@@ -67,7 +67,7 @@ def test_pieces_pinned_while_filling_copy_non_blocking(dev: torch.device, shm_di
         m = _model()
     with materialize(m, options=HostOptions(progress=False, load_threads=4), source=str(path)) as hw:
         assert hw.report["pin"]["ahead_bytes"] == hw.pinned_bytes >= hw.weight_bytes
-        assert len(hw.pinned_ranges) > 8
+        assert len(hw.pinned_ranges) >= 8  # about one piece per 2 MiB weight with its bias
         dm = get_backend().device_module
         stream = dm.Stream()
         with dm.stream(stream):
