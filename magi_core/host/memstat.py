@@ -34,7 +34,13 @@ def peak_rss_bytes() -> int:
 
 
 def anonymous_bytes() -> int:
-    """Anonymous memory of this process (counts private heap pages; not file-backed shared memory)."""
+    """Anonymous memory of this process (private heap pages, and pages of private file mappings it wrote; not
+    shared memory): ``RssAnon``, a counter the kernel keeps, so sampling it every millisecond costs nothing,
+    where ``smaps_rollup`` walks every page table under the mm lock (sampled that often during a 17 GB load on
+    the H200 host it made the load take 7.7 s instead of 4.0 s)."""
+    kb = _read_kb("/proc/self/status", ("RssAnon",))
+    if "RssAnon" in kb:
+        return kb["RssAnon"]
     return process_memory().get("Anonymous", 0)
 
 
