@@ -756,7 +756,9 @@ class _Materializer:
                         return slot
 
                     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="magi-load") as pool:
-                        futures = [pool.submit(fill, s) for s in loaded]
+                        # largest first: a big tensor started last would be read by one thread while the others
+                        # idle (an 8B model's 1 GB output embedding comes last in its order)
+                        futures = [pool.submit(fill, s) for s in sorted(loaded, key=lambda s: -s.nbytes)]
                         try:
                             for fut in concurrent.futures.as_completed(futures):
                                 adopt(fut.result(), bar)

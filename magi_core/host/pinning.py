@@ -137,7 +137,7 @@ def cut_after(n: int, extents: Sequence[tuple[int, int]]) -> int:
 
 
 #: Bytes :class:`PinAhead` registers at a time (cut between tensors).
-AHEAD_GROUP = 512 << 20
+AHEAD_GROUP = 256 << 20
 
 
 @dataclass
