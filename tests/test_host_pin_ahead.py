@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
@@ -40,6 +42,22 @@ def test_cut_after_moves_past_tensors_to_a_page() -> None:
     assert pinning.cut_after(1, ext) == 4 * PAGE  # inside the second tensor, then the third: past both
     assert pinning.cut_after(4 * PAGE, ext) == 4 * PAGE
     assert pinning.cut_after(0, ext) == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 3 * PAGE), st.integers(1, 3 * PAGE)), max_size=12),
+       st.integers(0, 40 * PAGE))
+def test_cut_after_is_the_first_page_no_tensor_straddles(parts: list[tuple[int, int]], n: int) -> None:
+    ext, pos = [], 0
+    for gap, size in parts:  # sorted, not overlapping, like an arena's slots
+        ext.append((pos + gap, pos + gap + size))
+        pos += gap + size
+    cut = pinning.cut_after(n, ext)
+
+    def clean(c: int) -> bool:
+        return c % PAGE == 0 and not any(s < c < e for s, e in ext)
+
+    assert cut >= n and clean(cut)
+    assert not any(clean(c) for c in range(-(-n // PAGE) * PAGE, cut, PAGE))
 
 
 def test_pieces_are_registered_only_once_every_tensor_in_them_is_written(arena: tuple[int, mmap.mmap]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import resource
 import threading
@@ -124,16 +125,14 @@ def unpin_ranges(backend: Backend, ranges: list[tuple[int, int]]) -> list[str]:
 
 
 def cut_after(n: int, extents: Sequence[tuple[int, int]]) -> int:
-    """The smallest page-aligned cut >= ``n`` that no tensor (start, end byte offsets) straddles."""
+    """The smallest page-aligned cut >= ``n`` that no tensor straddles; ``extents``: the tensors' (start, end) byte
+    offsets, sorted and not overlapping (an arena's slots), searched by bisection (an arena may hold 100k)."""
     cut = -(-n // PAGE) * PAGE
-    moved = True
-    while moved:
-        moved = False
-        for start, end in extents:
-            if start < cut < end:
-                cut = -(-end // PAGE) * PAGE
-                moved = True
-    return cut
+    while True:
+        i = bisect.bisect_left(extents, cut, key=lambda e: e[0]) - 1  # the last tensor starting before the cut
+        if i < 0 or extents[i][1] <= cut:
+            return cut
+        cut = -(-extents[i][1] // PAGE) * PAGE
 
 
 #: Bytes :class:`PinAhead` registers at a time (cut between tensors).
