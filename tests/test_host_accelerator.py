@@ -15,7 +15,7 @@ from host_workers.common import assert_ok, results, shm_dir_fixture, torchrun  #
 from torch import nn
 
 from magi_core import get_backend
-from magi_core.host import HostOptions, materialize
+from magi_core.host import HostOptions, HostWeights, materialize
 
 pytestmark = pytest.mark.accelerator
 OPTS = HostOptions(progress=False)
@@ -35,20 +35,25 @@ def _model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(torch.bfloat16)  # ~16 MiB
 
 
+def _copies_exact(hw: HostWeights, m: nn.Module, ref: dict[str, torch.Tensor], dev: torch.device) -> None:
+    """Every weight is pinned (for us and for the runtime) and its non_blocking copy on a side stream is exact."""
+    dm = get_backend().device_module
+    stream = dm.Stream()
+    with dm.stream(stream):
+        on_dev = {k: v.to(dev, non_blocking=True) for k, v in m.state_dict().items()}
+    stream.synchronize()
+    for k, v in m.state_dict().items():
+        assert hw.is_pinned(v), k
+        assert v.is_pinned(), k  # the runtime itself sees the registered range as pinned
+        assert torch.equal(on_dev[k].cpu(), ref[k]), k
+
+
 def test_weights_pinned_in_place_and_copy_non_blocking(dev: torch.device, shm_dir: str) -> None:
     m = _model()
     ref = {k: v.clone() for k, v in m.state_dict().items()}
     with materialize(m, options=OPTS) as hw:
         assert hw.pinned_bytes >= hw.weight_bytes
-        dm = get_backend().device_module
-        stream = dm.Stream()
-        with dm.stream(stream):
-            on_dev = {k: v.to(dev, non_blocking=True) for k, v in m.state_dict().items()}
-        stream.synchronize()
-        for k, v in m.state_dict().items():
-            assert hw.is_pinned(v), k
-            assert v.is_pinned(), k  # the runtime itself sees the registered range as pinned
-            assert torch.equal(on_dev[k].cpu(), ref[k]), k
+        _copies_exact(hw, m, ref, dev)
 
 
 def test_pieces_pinned_while_filling_copy_non_blocking(dev: torch.device, shm_dir: str,
@@ -68,14 +73,7 @@ def test_pieces_pinned_while_filling_copy_non_blocking(dev: torch.device, shm_di
     with materialize(m, options=HostOptions(progress=False, load_threads=4), source=str(path)) as hw:
         assert hw.report["pin"]["ahead_bytes"] == hw.pinned_bytes >= hw.weight_bytes
         assert len(hw.pinned_ranges) >= 8  # about one piece per 2 MiB weight with its bias
-        dm = get_backend().device_module
-        stream = dm.Stream()
-        with dm.stream(stream):
-            on_dev = {k: v.to(dev, non_blocking=True) for k, v in m.state_dict().items()}
-        stream.synchronize()
-        for k, v in m.state_dict().items():
-            assert hw.is_pinned(v) and v.is_pinned(), k
-            assert torch.equal(on_dev[k].cpu(), ref[k]), k
+        _copies_exact(hw, m, ref, dev)
 
 
 def test_model_to_device_keeps_host_weights(dev: torch.device, shm_dir: str) -> None:
