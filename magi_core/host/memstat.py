@@ -96,9 +96,14 @@ def available_bytes() -> int:
         return 0
 
 
+_STATUS_KEYS = ("RssAnon", "RssShmem", "RssFile")
+
+
 def snapshot() -> dict[str, int]:
-    """Process and host memory together, for log lines and reports."""
-    return {**process_memory(), **{f"host_{k}": v for k, v in system_memory().items()}}
+    """Process and host memory together, for log lines and reports: the kernel's counters (``RssAnon``,
+    ``RssShmem``, ``RssFile`` of /proc/self/status; reading ``smaps_rollup`` instead walks every page table, 0.19 s
+    with a 12 GiB arena mapped on a 2-core VM) and /proc/meminfo."""
+    return {**_read_kb("/proc/self/status", _STATUS_KEYS), **{f"host_{k}": v for k, v in system_memory().items()}}
 
 
 def fmt(snap: dict[str, int]) -> str:
