@@ -189,3 +189,77 @@ def test_failed_fill_unregisters_what_was_pinned_ahead(shm_dir: str, tmp_path: P
     assert registered_ranges() == {}
     assert all(p.is_meta for p in m.parameters())
     assert os.listdir(shm_dir) == []
+
+
+class _TwoDevices:
+    """A device module with two devices and a current one per thread (as CUDA keeps it)."""
+
+    def __init__(self, with_set_device: bool = True) -> None:
+        import threading
+
+        self._local = threading.local()
+        if with_set_device:
+            self.set_device = self._set
+
+    def _set(self, index: int) -> None:
+        self._local.index = index
+
+    def current_device(self) -> int:
+        return getattr(self._local, "index", 0)
+
+    def device_count(self) -> int:
+        return 2
+
+
+def test_device_binder_carries_the_current_device_to_another_thread() -> None:
+    import threading
+
+    dm = _TwoDevices()
+    be = dataclasses.replace(get_backend(), device_type="fake", device_module=dm)  # type: ignore[arg-type]
+    dm._set(1)
+    bind = be.device_binder()
+    assert bind is not None
+    seen: list[int] = []
+
+    def worker() -> None:
+        seen.append(dm.current_device())
+        bind()
+        seen.append(dm.current_device())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == [0, 1]
+    no_set = dataclasses.replace(be, device_module=_TwoDevices(with_set_device=False))  # type: ignore[arg-type]
+    assert no_set.device_binder() is None  # two devices, no way to choose: the caller pins after filling
+
+
+def test_materialize_pins_ahead_on_the_callers_device(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank on device 1: every registration, made by the pinning thread, happens with device 1 current there (a
+    worker left on device 0 would register for, and open a context on, another device); without ``set_device``
+    on a two-device host nothing is pinned ahead, and all is pinned after filling from the caller's thread."""
+    import threading
+
+    monkeypatch.setattr(pinning, "AHEAD_GROUP", PAGE)
+    real = get_backend()
+    for with_set in (True, False):
+        dm = _TwoDevices(with_set_device=with_set)
+        dm._set(1)
+        calls: list[tuple[int, bool]] = []
+
+        def register(p: int, n: int, dm: _TwoDevices = dm, calls: list[tuple[int, bool]] = calls) -> None:
+            calls.append((dm.current_device(), threading.current_thread() is threading.main_thread()))
+            real.host_register(p, n)
+
+        be = dataclasses.replace(real, device_type="fake", device_module=dm,  # type: ignore[arg-type]
+                                 _register=register)
+        m = _net()
+        with materialize(m, options=OPTS, backend=be) as hw:
+            assert hw.pinned_bytes == sum(a.nbytes for a in hw.arenas)
+            assert calls and all(dev == 1 for dev, _ in calls), calls
+            if with_set:
+                assert hw.report["pin"]["ahead_bytes"] == hw.pinned_bytes
+                assert not any(main for _, main in calls)
+            else:
+                assert hw.report["pin"]["ahead_bytes"] == 0 and all(main for _, main in calls)
+    assert registered_ranges() == {}

@@ -814,9 +814,12 @@ class _Materializer:
                 and tuple(a.shared_by) == (self.rank,)]
         if not mine:
             return None
+        bind = self.backend.device_binder()
+        if bind is None:  # several devices and no way to make this one current there: pinned after filling
+            return None
         return pinning.PinAhead(self.backend, [
             (a.buf.data_ptr(), a.nbytes, [(s.offset, s.offset + s.nbytes) for s, _ in rd.items if s.arena == a.key])
-            for a in mine], rank=self.rank)
+            for a in mine], rank=self.rank, bind=bind)
 
     def _load_threads(self, slots: list[Slot]) -> int:
         """Threads filling slots from files: HostOptions.load_threads, else the cores shared by the node's ranks (at

@@ -159,12 +159,14 @@ class PinAhead:
     written afterwards. On the H200 host a 16 GiB sparse arena read from the page cache by 8 threads and pinned
     piece by piece meanwhile took 3.3-3.9 s, against 5.0-5.8 s reserved whole, filled, then pinned. A refused
     registration stops it: the rest is left to :func:`pin_ranges` (which logs the error). The backend's
-    register is called from this thread, one call at a time.
+    register is called from this thread, one call at a time, after ``bind()`` (the caller's device made current
+    there: :meth:`Backend.device_binder`).
     """
 
     def __init__(self, backend: Backend, arenas: Sequence[tuple[int, int, Sequence[tuple[int, int]]]],
-                 group: int | None = None, rank: int = 0) -> None:
+                 group: int | None = None, rank: int = 0, bind: Callable[[], None] | None = None) -> None:
         self.backend = backend
+        self.bind = bind
         self.group = max(PAGE, group if group is not None else AHEAD_GROUP)
         self.rank = rank
         self.arenas = {p: _AheadArena(p, n, sorted(ext)) for p, n, ext in arenas}
@@ -227,6 +229,13 @@ class PinAhead:
         return None
 
     def _run(self) -> None:
+        if self.bind is not None:
+            try:
+                self.bind()
+            except Exception as exc:  # nothing registered: everything is left to pin_ranges
+                self.error = f"{type(exc).__name__}: {exc}"
+                logger.debug("rank %d: pinning ahead not started: %s", self.rank, self.error)
+                return
         while True:
             with self._cv:
                 while True:

@@ -54,6 +54,10 @@ def default_capabilities(device_type: str) -> Capabilities:
     return Capabilities(inductor=True, default_unit_compiler="eager" if device_type == "cpu" else "inductor")
 
 
+def _no_binding() -> None:
+    """Nothing to make current (the host backend, or a single device)."""
+
+
 @dataclass(frozen=True)
 class Backend:
     """The active backend: device type, device module, host register/unregister, ranges, aliases, capabilities."""
@@ -124,6 +128,24 @@ class Backend:
         if index is None and self.is_accelerator:
             index = int(self.device_module.current_device())
         return torch.device(self.device_type, index) if index is not None else torch.device(self.device_type)
+
+    def device_binder(self) -> Callable[[], None] | None:
+        """A callable that makes this thread's current device current in the thread that calls it (a worker
+        registering host memory must do so on the caller's device: CUDA registers for the current context, and a
+        worker left on device 0 would open a context there); None when that cannot be done: the device module
+        has no ``set_device`` and more than one device is visible."""
+        if not self.is_accelerator:
+            return _no_binding
+        dm = self.device_module
+        set_device = getattr(dm, "set_device", None)
+        if set_device is None:
+            return _no_binding if int(dm.device_count()) <= 1 else None
+        index = int(dm.current_device())
+
+        def bind() -> None:
+            set_device(index)
+
+        return bind
 
     def host_register(self, ptr: int, nbytes: int) -> None:
         """Pin the host range [ptr, ptr+nbytes) in place (idempotent)."""

@@ -60,6 +60,8 @@ DEVICE_MODULE_REQUIRED = ("Stream", "Event", "current_stream", "stream", "synchr
 #: ``magi backends --check`` report each missing one.
 DEVICE_MODULE_EXPECTED = {
     "current_device": "Backend.device(): the index of the device offloaded runs use",
+    "set_device": "host loading: the thread that pins an arena while it is filled makes the caller's device current "
+                  "(without it, on a host with several devices, arenas are pinned after filling)",
     "is_available": "the conformance kit (the device is usable by this process)",
     "device_count": "the conformance kit (at least one device)",
     "is_initialized": "the kit and `magi backends --check`: proves probing and selection did not initialise the device",

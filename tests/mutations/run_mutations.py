@@ -175,6 +175,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if hi <= a.nbytes:\n",
         (("core", ("tests/test_host_pin_ahead.py",)),),
     ),
+    Mutation(
+        "l", "pinning while filling: the pinning thread registers without making the caller's device current "
+        "(CUDA registers for the current context: a rank on device 1 would pin for, and open a context on, "
+        "device 0)",
+        "magi_core/host/materialize.py",
+        "            for a in mine], rank=self.rank, bind=bind)\n",
+        "            for a in mine], rank=self.rank, bind=None)\n",
+        (("core", ("tests/test_host_pin_ahead.py",)),),
+    ),
 )
 
 
