@@ -210,6 +210,11 @@ class _TwoDevices:
     def device_count(self) -> int:
         return 2
 
+    def is_initialized(self) -> bool:
+        return hasattr(self._local, "index") or self.initialized
+
+    initialized = False
+
 
 def test_device_binder_carries_the_current_device_to_another_thread() -> None:
     import threading
@@ -230,8 +235,15 @@ def test_device_binder_carries_the_current_device_to_another_thread() -> None:
     t.start()
     t.join()
     assert seen == [0, 1]
-    no_set = dataclasses.replace(be, device_module=_TwoDevices(with_set_device=False))  # type: ignore[arg-type]
+    other = _TwoDevices(with_set_device=False)
+    other.initialized = True
+    no_set = dataclasses.replace(be, device_module=other)  # type: ignore[arg-type]
     assert no_set.device_binder() is None  # two devices, no way to choose: the caller pins after filling
+    fresh = _TwoDevices()
+    fresh.current_device = None  # type: ignore[assignment,method-assign]  # would initialise the runtime
+    untouched = dataclasses.replace(be, device_module=fresh)  # type: ignore[arg-type]
+    bind = untouched.device_binder()  # nothing chose a device yet: nothing to carry, nothing initialised
+    assert bind is not None and bind() is None
 
 
 def test_materialize_pins_ahead_on_the_callers_device(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,6 +257,7 @@ def test_materialize_pins_ahead_on_the_callers_device(shm_dir: str, monkeypatch:
     for with_set in (True, False):
         dm = _TwoDevices(with_set_device=with_set)
         dm._set(1)
+        dm.initialized = True
         calls: list[tuple[int, bool]] = []
 
         def register(p: int, n: int, dm: _TwoDevices = dm, calls: list[tuple[int, bool]] = calls) -> None:

@@ -137,6 +137,11 @@ class Backend:
         if not self.is_accelerator:
             return _no_binding
         dm = self.device_module
+        initialized = getattr(dm, "is_initialized", None)
+        if callable(initialized) and not initialized():
+            # nothing has chosen a device yet (torch.cuda.set_device initialises): every thread starts on the
+            # default one; asking for the current device would initialise the runtime here, before filling
+            return _no_binding
         set_device = getattr(dm, "set_device", None)
         if set_device is None:
             return _no_binding if int(dm.device_count()) <= 1 else None
