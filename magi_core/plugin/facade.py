@@ -139,7 +139,7 @@ class Backend:
         dm = self.device_module
         initialized = getattr(dm, "is_initialized", None)
         if callable(initialized) and not initialized():
-            # nothing has chosen a device yet (torch.cuda.set_device initialises): every thread starts on the
+            # nothing has chosen a device yet (choosing a device initialises it): every thread starts on the
             # default one; asking for the current device would initialise the runtime here, before filling
             return _no_binding
         set_device = getattr(dm, "set_device", None)
