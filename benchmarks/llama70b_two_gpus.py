@@ -30,13 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from script_io import emit_json, start_ranks
+from script_io import emit_json, node_shmem_bytes, start_ranks
 
 import magi_core
 from magi_core.bench.measure import cpu_name, main_tensor
 from magi_core.config import OffloadConfig
 from magi_core.host import CallableSource, HostOptions
-from magi_core.host.memstat import system_memory
 
 POOL = (1 << 24) + 4099  # not a multiple of a row length
 
@@ -139,7 +138,7 @@ def main() -> None:
         model = LlamaForCausalLM(cfg).to(dtype)
     model.eval()
     pool = torch.randn(POOL, generator=torch.Generator().manual_seed(0)) * 0.02
-    shm_before = system_memory().get("Shmem", 0)
+    shm_before = node_shmem_bytes()
     dist.barrier()
     t0 = time.perf_counter()
     source = CallableSource(weights_fn(pool), identical_across_ranks=True, thread_safe=True)
@@ -147,7 +146,7 @@ def main() -> None:
                            host_options=HostOptions(progress=False))
     dist.barrier()
     load_s = time.perf_counter() - t0
-    shm_after = system_memory().get("Shmem", 0)
+    shm_after = node_shmem_bytes()
     host = magi_core.handle(model).host
     ids = torch.randint(0, cfg.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
