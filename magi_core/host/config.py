@@ -48,11 +48,13 @@ class HostOptions:
     ep_size: int | None = None
     #: Keep plain host tensors, no shared memory and no pinning. None: ``MAGI_SKIP_SHM``, else False.
     skip_shm: bool | None = None
-    #: Pin (register in place) the mappings through the backend.
+    #: Pin (register in place) the mappings through the backend. An arena only this rank maps is pinned in pieces
+    #: while it is filled (:class:`magi_core.host.pinning.PinAhead`), the rest after filling.
     pin: bool = True
     #: Ranks of a node pinning at once. None: ``MAGI_PIN_CONCURRENCY``, else host memory / 2 / per-rank bytes.
     pin_concurrency: int | None = None
-    #: Pin at most this many bytes per rank (first bytes of the arenas). None: ``MAGI_PIN_BUDGET_GB``, else all.
+    #: Pin at most this many bytes per rank (first bytes of the arenas, after filling: a budget turns pinning while
+    #: filling off). None: ``MAGI_PIN_BUDGET_GB``, else all.
     pin_budget_bytes: int | None = None
     #: Directory of the shared-memory files. None: ``MAGI_SHM_DIR``, else ``/dev/shm``.
     shm_dir: str | None = None
