@@ -114,7 +114,7 @@ if [ "$what" = two-gpus ]; then  # the two-rank runs of issues 16 and 18 (nvidia
 fi
 if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate against the page cache
   ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/load-rate
-  python3 benchmarks/load_rate.py --layers 32 --hidden 4096 --ffn 14336 --vocab 128256 --repeats 2 --pin \
+  python3 benchmarks/load_rate.py --layers 32 --hidden 4096 --ffn 14336 --vocab 128256 --repeats 3 --pin \
     --also-threads "${MAGI_LOAD_THREADS:-1,4}" \
     --dir "$ck" --out "$OUT/load-rate-8b.json" 2>&1 | tail -n 5 || rc=1
   rm -rf "$ck"
