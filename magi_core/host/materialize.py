@@ -817,9 +817,8 @@ class _Materializer:
         bind = self.backend.device_binder()
         if bind is None:  # several devices and no way to make this one current there: pinned after filling
             return None
-        return pinning.PinAhead(self.backend, [
-            (a.buf.data_ptr(), a.nbytes, [(s.offset, s.offset + s.nbytes) for s, _ in rd.items if s.arena == a.key])
-            for a in mine], rank=self.rank, bind=bind)
+        return pinning.PinAhead(self.backend, [(a.buf.data_ptr(), a.nbytes, _extents([s for s, _ in rd.items], a.key))
+                                               for a in mine], rank=self.rank, bind=bind)
 
     def _load_threads(self, slots: list[Slot]) -> int:
         """Threads filling slots from files: HostOptions.load_threads, else the cores shared by the node's ranks (at
@@ -1062,8 +1061,7 @@ class _Materializer:
             upto = self.pinned_ahead.get(ptr, 0)
             if upto < a.nbytes:
                 ranges.append((ptr + upto, a.nbytes - upto))
-                extents[ptr + upto] = sorted((s.offset - upto, s.offset + s.nbytes - upto) for s in hw.layout.slots
-                                             if s.arena == a.key and s.offset >= upto)
+                extents[ptr + upto] = _extents(hw.layout.slots, a.key, upto)
         ahead_bytes, ahead_s = hw.pinned_bytes, self.ahead_seconds
         result = pinning.PinResult()
         budget_total = ahead_bytes + (sum(n for _, n in ranges) if opts.pin_budget_bytes is None else
@@ -1108,6 +1106,12 @@ class _Materializer:
 _FIX = ("If the ranks hold different weights on purpose (expert parallelism), use HostOptions(on_mismatch='copy') "
         "(the default): differing tensors get a copy per rank, identical ones stay shared (set MAGI_EP_SIZE to say "
         "the differences are expected)")
+
+
+def _extents(slots: list[Slot], arena: str, start: int = 0) -> list[tuple[int, int]]:
+    """The sorted (start, end) byte offsets, counted from ``start``, of the slots of ``arena`` from there on."""
+    return sorted((s.offset - start, s.offset + s.nbytes - start) for s in slots
+                  if s.arena == arena and s.offset >= start)
 
 
 def _status(err: BaseException | None) -> str | None:

@@ -59,15 +59,17 @@ def cut_between_tensors(n: int, extents: Sequence[tuple[int, int]]) -> int:
     refuses the copy, blocking or not: cudaErrorInvalidValue, measured on an H200), so a budget never
     splits one.
     """
+    ordered = sorted(extents)
     cut = n // PAGE * PAGE
-    moved = True
-    while moved and cut > 0:
-        moved = False
-        for start, end in extents:
-            if start < cut < end:
-                cut = start // PAGE * PAGE
-                moved = True
+    while cut > 0 and (hit := _straddling(cut, ordered)) is not None:
+        cut = hit[0] // PAGE * PAGE
     return cut
+
+
+def _straddling(cut: int, extents: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    """The tensor (start, end) that ``cut`` falls strictly inside, or None; ``extents`` sorted, not overlapping."""
+    i = bisect.bisect_left(extents, cut, key=lambda e: e[0]) - 1  # the last tensor starting before the cut
+    return extents[i] if i >= 0 and extents[i][1] > cut else None
 
 
 def pin_ranges(
@@ -128,11 +130,9 @@ def cut_after(n: int, extents: Sequence[tuple[int, int]]) -> int:
     """The smallest page-aligned cut >= ``n`` that no tensor straddles; ``extents``: the tensors' (start, end) byte
     offsets, sorted and not overlapping (an arena's slots), searched by bisection (an arena may hold 100k)."""
     cut = -(-n // PAGE) * PAGE
-    while True:
-        i = bisect.bisect_left(extents, cut, key=lambda e: e[0]) - 1  # the last tensor starting before the cut
-        if i < 0 or extents[i][1] <= cut:
-            return cut
-        cut = -(-extents[i][1] // PAGE) * PAGE
+    while (hit := _straddling(cut, extents)) is not None:
+        cut = -(-hit[1] // PAGE) * PAGE
+    return cut
 
 
 #: Bytes :class:`PinAhead` registers at a time (cut between tensors).
