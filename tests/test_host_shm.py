@@ -151,7 +151,7 @@ def test_no_room_in_small_tmpfs_leaves_model_unchanged(tiny_tmpfs: str) -> None:
 
 
 _TAKEN_SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import json, os, sys, threading
     import torch
     from safetensors.torch import save_file
     from torch import nn
@@ -160,16 +160,18 @@ _TAKEN_SCRIPT = textwrap.dedent("""
     def build():
         return nn.Sequential(*[nn.Linear(128, 128) for _ in range(8)])  # 8 x 66 KB of 1 MiB
     taken = []
+    lock = threading.Lock()  # a second loading thread waits until the room is gone (else it may allocate first)
     def take_the_rest(*_):  # another process fills the filesystem while we write
-        if not taken:
-            taken.append(os.path.join(shm_dir, "someone-else"))
-            fd = os.open(taken[0], os.O_WRONLY | os.O_CREAT)
-            try:
-                while os.write(fd, bytes(4096)):
+        with lock:
+            if not taken:
+                taken.append(os.path.join(shm_dir, "someone-else"))
+                fd = os.open(taken[0], os.O_WRONLY | os.O_CREAT)
+                try:
+                    while os.write(fd, bytes(4096)):
+                        pass
+                except OSError:
                     pass
-            except OSError:
-                pass
-            os.close(fd)
+                os.close(fd)
     out = {}
     try:
         if how == "model":  # copied from the model's tensors, one thread, through the file
