@@ -16,7 +16,7 @@ read from the page cache (warmed first) by:
                 accelerator as execution device (its CPU offload)
 
 For each: seconds to the first step's output (load, set-up, compilation where there is one), the second step,
-the process's peak resident memory (VmHWM), the peak anonymous memory sampled every millisecond, and the bytes in
+the process's peak resident memory (VmHWM), the peak anonymous memory sampled every 10 ms, and the bytes in
 shared memory (magi's arena). One JSON document with hardware, versions and date; nothing is asserted.
 """
 

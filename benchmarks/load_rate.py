@@ -13,7 +13,7 @@ into ``--dir`` (default: a temporary directory on disk), reads it once to warm t
                  ``--pin`` to include it); the loader's own read time and the whole call, and ``--dtype float32``
                  to measure the converting path
 
-Anonymous memory is sampled every millisecond from /proc/self/status (``RssAnon``). One JSON document with hardware and
+Anonymous memory is sampled every 10 ms from /proc/self/status (``RssAnon``). One JSON document with hardware and
 date:
 
     python benchmarks/load_rate.py --out benchmarks/results/<date>-load-rate-<host>.json
