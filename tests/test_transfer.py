@@ -12,8 +12,9 @@ import magi_core
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
 from magi_core.execute.actions import StepActions, batch_lifetimes
 from magi_core.execute.executor import make_transfer
-from magi_core.execute.transfer import PerTensorTransfer, UnitTransfer
+from magi_core.execute.transfer import PerTensorTransfer, UnitTransfer, plan_span
 from magi_core.execute.transfer.shared import SharedBuffer
+from magi_core.host.arena import PAGE
 from magi_core.plan.packing import overlaps, pack
 from magi_core.plugin.manager import get_backend
 
@@ -139,6 +140,51 @@ def test_unit_transfer_copies_per_storage_or_per_weight_when_no_tight_span() -> 
     assert out.stride() == perm.stride() and torch.equal(out.cpu(), perm) and t.fallbacks == 0
 
 
+def _page_aligned(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    """float32 weights of whole pages back to back from a page boundary (registrable apart, as an arena's pieces)."""
+    sizes = [int(torch.Size(s).numel()) * 4 for s in shapes]
+    raw = torch.empty(sum(sizes) + PAGE, dtype=torch.uint8)
+    at = -raw.data_ptr() % PAGE
+    out = []
+    for k, (s, n) in enumerate(zip(shapes, sizes, strict=True)):
+        assert n % PAGE == 0
+        out.append(raw[at:at + n].view(torch.float32).view(s).copy_(torch.randn(s, generator=torch.Generator()
+                                                                                    .manual_seed(k))))
+        at += n
+    return out
+
+
+def test_unit_transfer_never_copies_across_a_registered_bound() -> None:
+    # An arena pinned in pieces (while it was filled, or under a pin budget) is several registrations; a runtime
+    # refuses one copy from two of them (CUDA: invalid argument), so a unit's span is split at every bound, and
+    # laid out again when the registrations change.
+    be = get_backend()
+    ws = _page_aligned((32, 32), (1024,), (16, 64), (1024,))
+    base, cut, end = ws[0].data_ptr(), ws[2].data_ptr(), ws[3].data_ptr() + ws[3].nbytes
+    held = [base, cut]
+    be.host_register(base, cut - base)
+    be.host_register(cut, end - cut)
+    try:
+        assert be.registered.crossed(base, end) and not be.registered.crossed(base, cut)
+        assert plan_span(ws, registered=be.registered) is None and plan_span(ws[:2], registered=be.registered)
+        t = _unit_transfer([ws])
+        expected = 0
+        for calls, drop in ((2, cut), (2, base), (1, None)):  # [base, cut) alone still ends inside the span
+            outs = _fetch(t, ws, 0)
+            expected += calls
+            assert t.copy_calls == expected
+            assert all(torch.equal(o.cpu(), w) for o, w in zip(outs, ws, strict=True))
+            for o in outs:
+                t.release(o, None)
+            if drop is not None:
+                be.host_unregister(drop)
+                held.remove(drop)
+        assert t.fallbacks == 0
+    finally:
+        for p in held:
+            be.host_unregister(p)
+
+
 def test_unit_transfer_never_writes_a_place_still_in_use() -> None:
     # Batches 0 and 1 share a place (disjoint lifetimes); fetching 1 before 0 is released allocates instead.
     w0, w1 = _arena((8,), (8,), gap=0), _arena((8,), (8,), gap=0)
@@ -203,6 +249,67 @@ def test_offloaded_model_with_one_copy_per_unit(shm_dir: str, policy: str, ratio
                 with torch.no_grad():
                     m.blocks[1].mlp.up.weight.mul_(2.0)  # type: ignore[index, union-attr]
             torch.testing.assert_close(model(x).cpu(), ref(x), rtol=1e-4, atol=1e-4)
+    finally:
+        magi_core.release(model)
+
+
+class _PagedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(64, 128, bias=False)  # 32 KiB: every weight starts on a page of the arena
+        self.down = torch.nn.Linear(128, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _PagedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_PagedBlock() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("pieces", ["while_filling", "budget"])
+def test_offloaded_model_pinned_in_pieces_is_exact(shm_dir: str, monkeypatch: pytest.MonkeyPatch,
+                                                   pieces: str) -> None:
+    # The host arena registered one weight at a time while it was filled (pieces cut between tensors, so each
+    # unit's two weights lie in two registrations), or up to the middle of a unit (a pin budget of 5.5 of the 8
+    # weights): every copy stays inside one registration or outside all, and the outputs are the reference's
+    # (on CUDA one copy across a registration's bound fails: invalid argument).
+    from magi_core.host import pinning
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(pinning, "AHEAD_GROUP", PAGE)
+    model, ref = _PagedNet().eval(), _PagedNet().eval()
+    weight = 32 << 10
+    if pieces == "budget":
+        monkeypatch.setenv("MAGI_PIN_BUDGET_GB", str(5.5 * weight / 2**30))
+    x = torch.randn(3, 64)
+    magi_core.offload(model, magi_core.OffloadConfig(policy="BASE", gpu_resident_weight_ratio=0.0,
+                                                     unit_compiler="eager", transfer="unit"))
+    try:
+        h = magi_core.handle(model)
+        assert h.host is not None
+        if pieces == "budget":
+            assert h.host.pinned_bytes == 5 * weight  # the budget's end falls between the third unit's weights
+        else:
+            assert len(h.host.pinned_ranges) == 8 and h.host.pinned_bytes == 8 * weight
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(model(x).cpu(), ref(x), rtol=1e-5, atol=1e-5)
+            ex = h.runtime.executor
+            t = ex.transfer
+            assert isinstance(t, UnitTransfer) and ex.actions is not None
+            calls = t.copy_calls
+            model(x)
+            assert t.copy_calls - calls > len(ex.actions.batches)  # split at the registrations' bounds
+            assert t.fallbacks == 0
     finally:
         magi_core.release(model)
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from magi_core.errors import ConfigError
+from magi_core.plugin.registered import REGISTERED, RegisteredRanges
 from magi_core.plugin.spec import UNIT_COMPILERS, Capabilities
 
 logger = logging.getLogger(__name__)
@@ -155,10 +156,17 @@ class Backend:
     def host_register(self, ptr: int, nbytes: int) -> None:
         """Pin the host range [ptr, ptr+nbytes) in place (idempotent)."""
         self._register(ptr, nbytes)
+        REGISTERED.add(ptr, nbytes)
 
     def host_unregister(self, ptr: int) -> None:
         """Unpin the host range that starts at ptr."""
         self._unregister(ptr)
+        REGISTERED.remove(ptr)
+
+    @property
+    def registered(self) -> RegisteredRanges:
+        """The host ranges registered through magi-core in this process (a copy must not cross their bounds)."""
+        return REGISTERED
 
     def range_push(self, name: str) -> None:
         """Open a profiling range; a no-op without profiler support or while compiling."""

@@ -45,7 +45,8 @@ PYTEST_ARGS: dict[str, tuple[str, ...]] = {"core": ("-m", "not emulated"),
                                            "privateuse1": ("-p", "torch_magidev.pytest_plugin")}
 
 EXECUTOR_PU1 = ("tests/test_executor.py", "tests/test_executor_models.py", "tests/test_offload_api.py",
-                "tests/test_executor_device_inputs.py", "tests/test_handle.py", "tests/test_weight_updates.py")
+                "tests/test_executor_device_inputs.py", "tests/test_handle.py", "tests/test_weight_updates.py",
+                "tests/test_transfer.py")
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            for a in mine], rank=self.rank, bind=bind)\n",
         "            for a in mine], rank=self.rank, bind=None)\n",
         (("core", ("tests/test_host_pin_ahead.py",)),),
+    ),
+    Mutation(
+        "m", "unit transfer: one copy per host storage, whatever the registrations (an arena pinned in pieces, or "
+        "up to a budget, is copied across a registration's bound: CUDA refuses it, invalid argument)",
+        "magi_core/execute/transfer/unit.py",
+        "        reg = self._registered\n",
+        "        reg = RegisteredRanges()  # mutated: no registration known\n",
+        (("privateuse1", ("tests/test_transfer.py",)),),
     ),
 )
 

@@ -263,6 +263,33 @@ def test_runtime_host_register_error_codes():
     assert "not correspond" in rt.magidevGetErrorString(713)
 
 
+def test_a_copy_across_a_registrations_bound_fails_as_on_cuda():
+    rt = torch_magidev.runtime()
+    buf = torch.arange(2048, dtype=torch.float32)  # 8 KiB: two registrations of 4 KiB, back to back
+    ptr = buf.data_ptr()
+    assert rt.magidevHostRegister(ptr, 4096, 0) == 0
+    assert rt.magidevHostRegister(ptr + 4096, 4096, 0) == 0
+    try:
+        dev = torch.empty(2048, device="magidev")
+        dev[:1024].copy_(buf[:1024])  # inside one registration
+        dev[1024:].copy_(buf[1024:], non_blocking=True)
+        assert torch.equal(dev.cpu(), buf)
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            dev.copy_(buf)  # from one registration into the next
+        assert rt.magidevGetLastError() == 1
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            buf.copy_(dev)  # device to host is checked the same way
+        rt.magidevHostUnregister(ptr + 4096)
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            dev.copy_(buf)  # out of a registration into pageable memory
+        rt.magidevGetLastError()
+    finally:
+        for p in (ptr, ptr + 4096):
+            rt.magidevHostUnregister(p)
+    dev.copy_(buf)  # nothing registered: a pageable copy
+    assert torch.equal(dev.cpu(), buf)
+
+
 def test_compiled_function_on_device_tensors():
     def fn(x):
         return torch.relu(x * 2 - 1).sum(0)

@@ -4,8 +4,10 @@
 ``magidevHostRegister(ptr, nbytes, flags)`` and ``magidevHostUnregister(ptr)`` return an error code (0
 success, 1 invalid value, 712 already registered: the range overlaps one registered, 713 not registered);
 ``magidevGetErrorString(code)`` and ``magidevGetLastError()`` (returns and clears the last failure) as in
-CUDA. Registration changes nothing about copies here: it is bookkeeping, kept so leaks and double
-registrations show in tests.
+CUDA. Registration changes nothing about how copies run here, but it is checked as CUDA checks it: a copy
+whose host bytes run across a registered range's start or end (from one registration into the next, or out
+of one into unregistered memory) fails with "invalid argument" (:meth:`Runtime.check_copy`), so leaks,
+double registrations and copies that CUDA would refuse show in tests.
 """
 
 from __future__ import annotations
@@ -62,6 +64,21 @@ class Runtime:
         with LOCK:
             code, self._last = self._last, SUCCESS
             return code
+
+    def check_copy(self, ptr: int, nbytes: int, what: str) -> None:
+        """Raise as CUDA's copy does when host bytes [ptr, ptr+nbytes) lie partly in a registered range."""
+        if nbytes <= 0:
+            return
+        with LOCK:
+            for start, size in self._ranges.items():
+                inside = start <= ptr and ptr + nbytes <= start + size
+                if not inside and ptr < start + size and start < ptr + nbytes:
+                    self._last = ERROR_INVALID_VALUE
+                    raise RuntimeError(
+                        f"magidev error: {_TEXT[ERROR_INVALID_VALUE]} ({what}: host bytes [{ptr:#x}, "
+                        f"{ptr + nbytes:#x}) run across the registered range [{start:#x}, {start + size:#x}); "
+                        "a copy must lie inside one registration or outside all)"
+                    )
 
     def registered_ranges(self) -> dict[int, int]:
         """Emulation only: the ranges registered now (ptr -> nbytes)."""

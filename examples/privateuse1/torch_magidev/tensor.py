@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch_magidev import _state, memory
 from torch_magidev._state import DEVICE_TYPE
 from torch_magidev.checker import CHECKER, Block, Use
+from torch_magidev.runtime import RUNTIME
 from torch_magidev.streams import current_stream, lookup
 
 aten = torch.ops.aten
@@ -193,6 +194,8 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         wuses = _uses(w for w in wrappers if id(w) in written)
         ruses = [u for u in _uses(w for w in wrappers if id(w) not in written) if u not in wuses]
         CHECKER.on_op(str(func), ruses, wuses, s, pos)
+    if not tracing and func in (aten.copy_.default, aten._copy_from.default):
+        _check_host_side(func, args)
     out = func(*uargs, **ukwargs)
     if writes:
         for w in wrappers:
@@ -218,6 +221,16 @@ def dispatch(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     if s is not None and wrappers:
         _count_copies(func, args, kwargs, out, result, wrappers, s)
     return result
+
+
+def _check_host_side(func: Any, args: Any) -> None:
+    """A copy between host and device: its host bytes must lie inside one registration or outside all (CUDA)."""
+    dst, src = (args[0], args[1]) if func is aten.copy_.default else (args[1], args[0])
+    for host, dev in ((src, dst), (dst, src)):
+        if isinstance(dev, MagidevTensor) and isinstance(host, torch.Tensor) and not isinstance(host, MagidevTensor):
+            if host.numel():
+                extent = (sum((n - 1) * st for n, st in zip(host.shape, host.stride(), strict=True)) + 1)
+                RUNTIME.check_copy(host.data_ptr(), extent * host.element_size(), str(func))
 
 
 def _count_copies(

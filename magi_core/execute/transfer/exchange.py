@@ -130,7 +130,8 @@ class ExchangeTransfer(UnitTransfer):
     def begin_step(self, args: Sequence[Any]) -> bool | None:
         """Agree which batches are exchanged when any rank's streamed weights changed (first step of a plan)."""
         batches = self._batches
-        signature = hash(tuple((id(args[w]), args[w].data_ptr()) for ws in batches for w in ws))
+        # (the registrations' version too: a unit's copies are split at their bounds, and the shards with them)
+        signature = hash((self._registered.version, *((id(args[w]), args[w].data_ptr()) for ws in batches for w in ws)))
         flag = torch.tensor([int(signature != self._signature)], dtype=torch.int64)
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.meta_group)
@@ -159,7 +160,7 @@ class ExchangeTransfer(UnitTransfer):
         if self._buffer is None or b >= len(self._slots):
             return None
         slot = self._slots[b]
-        key = tuple((id(h), h.data_ptr()) for h in hosts)
+        key = self._key(hosts)
         if key != slot.key and not self._lay_out(slot, hosts, key):
             return None
         if not all(d.is_contiguous() and h.is_contiguous() for d, h in slot.copies):

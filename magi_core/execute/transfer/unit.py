@@ -13,6 +13,7 @@ from magi_core.execute.transfer.base import PerTensorTransfer
 from magi_core.execute.transfer.shared import SharedBuffer
 from magi_core.plan.packing import Packing, pack
 from magi_core.plugin.facade import Backend
+from magi_core.plugin.registered import RegisteredRanges
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,13 @@ def _extent(t: torch.Tensor) -> int:
     return (sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
 
 
-def plan_span(hosts: Sequence[torch.Tensor], slack: float = SPAN_SLACK) -> _Span | None:
+def plan_span(hosts: Sequence[torch.Tensor], slack: float = SPAN_SLACK,
+              registered: RegisteredRanges | None = None) -> _Span | None:
     """The span that holds every weight of ``hosts`` in one host storage, or None when they cannot share one.
 
     They share one when all are host tensors of one storage, every weight starts at a multiple of its element
-    size from the span start, and the span is at most ``slack`` times their bytes (plus a page).
+    size from the span start, the span is at most ``slack`` times their bytes (plus a page), and no bound of a
+    ``registered`` host range lies inside it (a runtime refuses one copy from two registrations).
     """
     if len(hosts) < 2 or any(h.device.type != "cpu" or h.numel() == 0 for h in hosts):
         return None
@@ -53,6 +56,8 @@ def plan_span(hosts: Sequence[torch.Tensor], slack: float = SPAN_SLACK) -> _Span
     lo = min(h.data_ptr() for h in hosts)
     hi = max(h.data_ptr() + _extent(h) for h in hosts)
     if hi - lo > slack * sum(_extent(h) for h in hosts) + 4096:
+        return None
+    if registered is not None and registered.crossed(lo, hi):
         return None
     layout = []
     for h in hosts:
@@ -86,7 +91,8 @@ class _Slot:
         self.size = size
         self.shares = shares  # batches whose bytes overlap this one's (never alive at the same time)
         self.gate = gate  # issued at step start, before any executor gate: order it after the compute stream
-        self.key: tuple[tuple[int, int], ...] | None = None  # the host tensors the views below were made for
+        # the registrations' version and the host tensors the views below were made for
+        self.key: tuple[Any, ...] | None = None
         self.views: tuple[torch.Tensor, ...] = ()
         self.copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # (device bytes, host bytes) per copy
         self.live = 0  # fetched weights not yet released
@@ -113,6 +119,7 @@ class UnitTransfer(PerTensorTransfer):
     def __init__(self, backend: Backend, device: torch.device) -> None:
         super().__init__(backend, device)
         self._current_stream = backend.device_module.current_stream
+        self._registered = backend.registered
         self._buffer: torch.Tensor | None = None
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._slots: list[_Slot] = []
@@ -252,7 +259,7 @@ class UnitTransfer(PerTensorTransfer):
             self.fallbacks += 1
             logger.debug("copy batch %d: its place is still in use; allocating instead", batch)
             return super().fetch(hosts, event)
-        key = tuple((id(h), h.data_ptr()) for h in hosts)
+        key = self._key(hosts)
         if key != slot.key and not self._lay_out(slot, hosts, key):
             return super().fetch(hosts, event)
         if slot.gate:
@@ -284,15 +291,23 @@ class UnitTransfer(PerTensorTransfer):
             base = self._typed[dtype] = self._buffer.view(dtype)
         return base
 
-    def _lay_out(self, slot: _Slot, hosts: Sequence[torch.Tensor], key: tuple[tuple[int, int], ...]) -> bool:
+    def _key(self, hosts: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        """What a batch's views and copies were made for: the host tensors, and the registrations' version."""
+        return (self._registered.version, *((id(h), h.data_ptr()) for h in hosts))
+
+    def _lay_out(self, slot: _Slot, hosts: Sequence[torch.Tensor], key: tuple[Any, ...]) -> bool:
         """Make ``slot``'s views and copies for these host tensors; False when they cannot use the buffer."""
         if any(h.device.type != "cpu" or _extent(h) != h.nbytes or h.dtype.itemsize < 1 for h in hosts):
             return False  # overlapping or gapped strides: copied (and allocated) per weight
         assert self._buffer is not None
-        groups: dict[int, list[int]] = {}
+        # one span per storage and registered piece of it: an arena pinned in pieces (while it was filled, or
+        # under a pin budget) is several registrations, and one copy must not run from one into the next
+        reg = self._registered
+        groups: dict[tuple[int, int], list[int]] = {}
         for i, h in enumerate(hosts):
-            groups.setdefault(h.untyped_storage().data_ptr() if h.numel() else -1 - i, []).append(i)
-        spans = {g: plan_span([hosts[i] for i in idx]) for g, idx in groups.items()}
+            g = (h.untyped_storage().data_ptr(), reg.region(h.data_ptr())) if h.numel() else (-1 - i, 0)
+            groups.setdefault(g, []).append(i)
+        spans = {g: plan_span([hosts[i] for i in idx], registered=reg) for g, idx in groups.items()}
         need = sum(align_up(s.host.numel()) if s is not None else sum(align_up(hosts[i].nbytes) for i in groups[g])
                    for g, s in spans.items())
         if need > slot.size:
