@@ -289,6 +289,36 @@ def test_sub_range_and_pinned_allocator_memory_on_cuda() -> None:
 
 @pytest.mark.accelerator
 @needs_cuda
+def test_cuda_refuses_one_copy_from_two_registrations() -> None:
+    """The runtime rule magi-core's unit transfer splits its copies for: two adjacent registered ranges are two
+    registrations, and one copy that runs from the first into the second fails (invalid argument); copies inside
+    each succeed. (magi_core.plugin.registered; the magidev emulation enforces the same rule.)"""
+    page = 4096
+    raw = torch.arange(4 * page + page, dtype=torch.uint8)
+    at = -raw.data_ptr() % page
+    buf = raw[at:at + 4 * page]
+    ptr = buf.data_ptr()
+    magi_backend_cuda.magi_host_register(ptr=ptr, nbytes=2 * page)
+    magi_backend_cuda.magi_host_register(ptr=ptr + 2 * page, nbytes=2 * page)
+    try:
+        dev = torch.empty(4 * page, dtype=torch.uint8, device="cuda")
+        dev[:2 * page].copy_(buf[:2 * page], non_blocking=True)
+        dev[2 * page:].copy_(buf[2 * page:], non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), buf)
+        with pytest.raises(Exception, match="invalid argument"):
+            dev.copy_(buf, non_blocking=True)
+            torch.cuda.synchronize()
+        torch.cuda.cudart().cudaGetLastError()
+    finally:
+        magi_backend_cuda.magi_host_unregister(ptr=ptr + 2 * page)
+        magi_backend_cuda.magi_host_unregister(ptr=ptr)
+    x = torch.ones(8, device="cuda") * 3  # the refusal left nothing pending
+    assert float(x.sum()) == 24.0 and runtime.registered_ranges() == {}
+
+
+@pytest.mark.accelerator
+@needs_cuda
 def test_pinned_allocator_using_cuda_host_register_keeps_its_registration() -> None:
     """torch's pinned allocator registering with cudaHostRegister itself: our 712 range is theirs, left to them."""
     out = _run("""
