@@ -24,6 +24,7 @@ from magi_core._env import env_float, register_env_names
 from magi_core.config import OffloadConfig
 from magi_core.errors import ConfigError
 from magi_core.execute.transfer.exchange import ExchangeTransfer, Identity
+from magi_core.host.topology import group_alive
 from magi_core.plugin.facade import Backend
 
 if TYPE_CHECKING:
@@ -38,7 +39,9 @@ EXCHANGE_TIMEOUT_S = env_float("MAGI_EXCHANGE_TIMEOUT_S", minimum=1.0) or 300.0
 #: Process-group backends whose all-gather works on device tensors (torch_musa registers "mccl").
 DEVICE_COLLECTIVES = ("nccl", "mccl", "xccl", "hccl")
 
-_groups: tuple[Any, Any] | None = None
+#: (the default group they were made for, (weights group, gloo agreement group)): made again after
+#: ``destroy_process_group`` and a new ``init_process_group``, never taken from the old default group.
+_groups: tuple[Any, tuple[Any, Any]] | None = None
 _groups_lock = threading.Lock()
 
 
@@ -55,13 +58,14 @@ def node_groups() -> tuple[Any, Any] | None:
     size = _node_size()
     if size <= 1 or dist.get_world_size() % size:
         return None
+    default = dist.distributed_c10d._get_default_group()
     with _groups_lock:
-        if _groups is None:
+        if _groups is None or _groups[0] is not default or not all(group_alive(g) for g in _groups[1]):
             timeout = datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S)
             group, _ = dist.new_subgroups(group_size=size, timeout=timeout)
             meta, _ = dist.new_subgroups(group_size=size, backend="gloo", timeout=timeout)
-            _groups = (group, meta)
-        return _groups
+            _groups = (default, (group, meta))
+        return _groups[1]
 
 
 def host_identity(host: HostWeights | None) -> Identity:

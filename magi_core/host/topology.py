@@ -95,7 +95,9 @@ def node_key(shm_dir: str) -> tuple[str, int, int, int]:
 
 
 _group_lock = threading.Lock()
-_groups: dict[int, Any] = {}
+#: (the default group it was made for, the gloo group or None); the default group is held, not its id, so a
+#: group made after ``destroy_process_group`` and a new ``init_process_group`` can never be taken for it.
+_cached: tuple[Any, Any] | None = None
 
 
 class Coordinator:
@@ -128,16 +130,23 @@ def _dist_on() -> bool:
 
 
 def _host_group() -> Any:
-    """A gloo process group over all ranks, created once per default group (collective on first use)."""
+    """A gloo process group over all ranks, created once per default group (collective on first use); None when
+    the default group already runs on gloo."""
+    global _cached
     default = dist.distributed_c10d._get_default_group()
     with _group_lock:
-        key = id(default)
-        if key not in _groups:
-            if dist.get_backend() == "gloo":
-                _groups[key] = None  # the default group already runs on the host
-            else:
-                _groups[key] = dist.new_group(backend="gloo")
-        return _groups[key]
+        if _cached is not None and _cached[0] is default and (_cached[1] is None or group_alive(_cached[1])):
+            return _cached[1]
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        _cached = (default, group)
+        return group
+
+
+def group_alive(group: Any) -> bool:
+    """True while ``group`` is registered with torch.distributed (``destroy_process_group`` forgets it)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    return pg_map is None or group in pg_map
 
 
 def build_topology(rank: int, keys: list[Any], ep_size: int, shm_dir: str) -> Topology:
