@@ -58,11 +58,6 @@ class RegisteredRanges:
         """The index of the stretch between two consecutive bounds that ``ptr`` lies in."""
         return bisect.bisect_right(self._bounds, ptr)
 
-    def ranges(self) -> list[tuple[int, int]]:
-        """The recorded (ptr, nbytes) ranges."""
-        with self._lock:
-            return sorted((p, n) for p, ns in self._held.items() for n in ns)
-
 
 #: This process's record (registrations are process-wide, whichever facade made them).
 REGISTERED = RegisteredRanges()
