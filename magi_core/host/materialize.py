@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import errno
 import faulthandler
 import hashlib
 import logging
@@ -751,8 +752,20 @@ class _Materializer:
                         # file (sendfile, pwrite) take the file's lock one writer at a time
                         if not hasattr(local, "staging"):
                             local.staging = loader.thread_staging(threads)
-                        allocate(slot, dst[slot.arena], None)
-                        loader.fill(slot, dst[slot.arena], slot.offset, None, local.staging)
+                        # a slot read straight into its place allocates its pages in the read (on the H200 host
+                        # faster than populating them first: benchmarks/results/probes/
+                        # 2026-12-01-shm-fill-threads-thp-h200.json); a full filesystem fails the read with EFAULT
+                        in_place = rd.sparse and loader.reads_in_place(slot)
+                        if not in_place:
+                            allocate(slot, dst[slot.arena], None)
+                        try:
+                            loader.fill(slot, dst[slot.arena], slot.offset, None, local.staging)
+                        except OSError as exc:
+                            if in_place and exc.errno == errno.EFAULT:
+                                assert opts_dir is not None
+                                raise ShmSpaceError(opts_dir, slot.nbytes, shm.free_bytes(opts_dir),
+                                                    cause="while filling: a read found no room") from exc
+                            raise
                         return slot
 
                     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="magi-load") as pool:

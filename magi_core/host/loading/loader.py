@@ -194,6 +194,20 @@ class Loader:
         """True when slots may be filled from several threads at once (files; a function declared thread-safe)."""
         return bool(getattr(self.source, "parallel_safe", False))
 
+    def reads_in_place(self, slot: Slot) -> bool:
+        """True when every tensor of the slot is read straight into its place by read system calls (contiguous,
+        stored in the model's dtype): nothing is stored through the mapping, so a full filesystem fails the read
+        (EFAULT) instead of raising SIGBUS, and the slot's pages need no allocation beforehand."""
+        plan = self.plans.get(id(slot))
+        if plan is None:
+            return False
+        for (kind, src), e in zip(plan, slot.entries, strict=True):
+            if kind != "source" or src is None or e.stride != _contiguous_strides(e.size):
+                return False
+            if not self.source.reads_in_place(src, e.tensor.dtype):
+                return False
+        return True
+
     def thread_staging(self, threads: int) -> Staging:
         """A staging buffer for one of ``threads`` filling threads: its share of the window."""
         return Staging(max(STAGING_MIN, self.staging.nbytes // max(1, threads)))
@@ -319,3 +333,11 @@ class Loader:
         """Close the source's files and free the staging buffer."""
         self.source.close()
         self.staging.release()
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for d in reversed(size):
+        strides.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(strides))

@@ -135,6 +135,12 @@ class WeightSource(abc.ABC):
         :meth:`read_into` is called)."""
         return None
 
+    def reads_in_place(self, name: str, dtype: torch.dtype) -> bool:
+        """True when :meth:`read_into` writes ``name`` as ``dtype`` into a contiguous ``out`` by read system calls
+        alone (no store through the mapping: where the shared-memory filesystem is full the call then fails with
+        EFAULT instead of a SIGBUS, so its pages need not be allocated first)."""
+        return False
+
     def matches(self, name: str, view: torch.Tensor, staging: Staging) -> bool:
         """True when ``view`` (another rank's copy) holds exactly what :meth:`read_into` would write."""
         tmp = torch.empty_like(view, memory_format=torch.contiguous_format)
@@ -249,6 +255,11 @@ class SafetensorsSource(WeightSource):
         """Shape and dtype from the header."""
         e = self._entries.get(name)
         return e.info if e is not None else None
+
+    def reads_in_place(self, name: str, dtype: torch.dtype) -> bool:
+        """Stored in ``dtype``: read straight into its place (``preadv``)."""
+        e = self._entries.get(name)
+        return e is not None and e.info.dtype == dtype
 
     def token(self, name: str, dtype: torch.dtype) -> Hashable | None:
         """The file (device, inode, size, mtime), the byte range, the stored and the requested dtype."""
