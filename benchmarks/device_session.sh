@@ -3,7 +3,8 @@
 # Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
-# Results and logs go to $OUT (or ./device-out when OUT is unset).
+# Results and logs go to $OUT (or ./device-out when OUT is unset). The device tool brings back at most 8 files, so
+# each mode writes few (tests: 4 logs and env.txt; JUnit XML only with MAGI_SESSION_JUNIT=1).
 set -uo pipefail
 OUT=${OUT:-$PWD/device-out}; mkdir -p "$OUT"
 what=${1:-all}
@@ -17,8 +18,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
      . ./backends/cuda ./backends/musa || { echo "install failed"; exit 3; }
 fi
 export PYTHONPATH=$site:${PYTHONPATH:-}
-df -h /dev/shm | tee "$OUT/shm.txt"; nproc; free -g; uname -r; cat /sys/kernel/mm/transparent_hugepage/shmem_enabled
-python3 - <<'PY' | tee "$OUT/env.txt"
+{ df -h /dev/shm; nproc; free -g; uname -r; cat /sys/kernel/mm/transparent_hugepage/shmem_enabled; } | tee "$OUT/env.txt"
+junit() { [ "${MAGI_SESSION_JUNIT:-0}" = 1 ] && echo "--junitxml=$OUT/$1.xml"; }
+python3 - <<'PY' | tee -a "$OUT/env.txt"
 import torch, magi_core, platform
 print("torch", torch.__version__, "python", platform.python_version())
 print("devices", torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
@@ -28,13 +30,13 @@ rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m magi_core backends --json > "$OUT/backends.json" 2>&1 || rc=1
   python3 -m pytest -p magi --pyargs magi_core.testing.conformance --magi-backend=cuda -q -rs \
-    --junitxml="$OUT/conformance.xml" 2>&1 | tee "$OUT/conformance.log" || rc=1
+    $(junit conformance) 2>&1 | tee "$OUT/conformance.log" || rc=1
   python3 -m pytest -q -rs -m "accelerator" tests backends/cuda/tests -p no:cacheprovider --durations=20 \
-    --junitxml="$OUT/accel.xml" 2>&1 | tee "$OUT/accel.log" || rc=1
+    $(junit accel) 2>&1 | tee "$OUT/accel.log" || rc=1
   # the executor suites that run on whichever backend is active: here on CUDA (real streams, caching allocator)
   python3 -m pytest -q -rs tests/test_executor.py tests/test_threads.py tests/test_weight_updates.py \
     tests/test_handle.py tests/test_schedulers.py tests/test_transfer.py -p no:cacheprovider \
-    --junitxml="$OUT/executor-cuda.xml" 2>&1 | tail -n 15 \
+    $(junit executor-cuda) 2>&1 | tail -n 15 \
     | tee "$OUT/executor-cuda.log" || rc=1
 fi
 if [ "$what" = demo ] || [ "$what" = all ]; then
@@ -114,6 +116,7 @@ if [ "$what" = two-gpus ]; then  # the two-rank runs of issues 16 and 18 (nvidia
 fi
 if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate against the page cache
   ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/load-rate
+  rm -rf "$ck"  # a run killed while writing it leaves an index naming files that are not there
   python3 benchmarks/load_rate.py --layers 32 --hidden 4096 --ffn 14336 --vocab 128256 --repeats 3 --pin \
     --also-threads "${MAGI_LOAD_THREADS:-1,4}" \
     --dir "$ck" --out "$OUT/load-rate-8b.json" 2>&1 | tail -n 5 || rc=1
@@ -121,6 +124,7 @@ if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate a
 fi
 if [ "$what" = first-step ]; then  # time to the first offloaded step against diffusers and accelerate
   ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/wan14b
+  rm -rf "$ck"
   python3 benchmarks/first_step_vs_peers.py --model wan14b --dir "$ck" --out "$OUT/first-step-wan14b.json" \
     --worker-timeout "${MAGI_WORKER_TIMEOUT:-300}" 2>&1 | tail -n 8 || rc=1
   rm -rf "$ck"
