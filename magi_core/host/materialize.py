@@ -13,8 +13,9 @@ so they never touch the device):
    it with their own values (:func:`magi_core.host.topology.plan_sharing`). Each set of members gets one file per
    dtype, created by its lowest rank
 3. creators create their files exclusively (0600, ``flock``-ed until unlinked): sparse where the kernel has
-   ``MADV_POPULATE_WRITE`` (each writer thread allocates what it fills, with a clear error on a full
-   filesystem), else with the space reserved; gather status (no room: every rank raises, nothing was changed)
+   ``MADV_POPULATE_WRITE`` (each writer thread allocates what it fills, or lets the read system call that fills
+   a slot allocate it, with a clear error on a full filesystem either way), else with the space reserved;
+   gather status (no room: every rank raises, nothing was changed)
 4. every member maps its files; each slot's writer copies its own values (or reads the source) into it and
    swaps the mapping into the module at once (the original is freed there); gather status (under
    copy_on_write a file several ranks map is written through a temporary shared mapping and the modules get
