@@ -69,9 +69,27 @@ def test_exchange_groups_are_made_again_for_a_new_default_group(single_rank: Non
     monkeypatch.setattr(exchange, "_node_size", lambda: 2)
     monkeypatch.setattr(exchange.dist, "get_world_size", lambda group=None: 2)
     first = exchange.node_groups()
-    assert first is not None and exchange.node_groups() is first and len(made) == 2
+    assert first is not None and exchange.node_groups() == first and len(made) == 2
     dist.destroy_process_group()
     _init("gloo")
     second = exchange.node_groups()
     assert second is not None and second is not first and len(made) == 4
     assert all(topology.group_alive(g) for g in second) and not any(topology.group_alive(g) for g in first)
+
+
+def test_destroy_process_group_frees_the_groups_magi_made(single_rank: None) -> None:
+    """The caches hold no group: destroy_process_group() frees the default group and magi's own (their worker
+    threads stop there, not at interpreter shutdown, where a gloo worker taking the GIL aborts the process)."""
+    import gc
+    import weakref
+
+    import torch
+
+    _init("fake")
+    default = weakref.ref(dist.distributed_c10d._get_default_group())
+    host = weakref.ref(topology._host_group())
+    with torch.device("meta"):  # a torch._refs op: imports torch._dynamo and torch.distributed.nn.functional
+        torch.nn.Embedding(4, 2)
+    dist.destroy_process_group()
+    gc.collect()
+    assert default() is None and host() is None

@@ -14,6 +14,7 @@ import datetime
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +40,10 @@ EXCHANGE_TIMEOUT_S = env_float("MAGI_EXCHANGE_TIMEOUT_S", minimum=1.0) or 300.0
 #: Process-group backends whose all-gather works on device tensors (torch_musa registers "mccl").
 DEVICE_COLLECTIVES = ("nccl", "mccl", "xccl", "hccl")
 
-#: (the default group they were made for, (weights group, gloo agreement group)): made again after
-#: ``destroy_process_group`` and a new ``init_process_group``, never taken from the old default group.
-_groups: tuple[Any, tuple[Any, Any]] | None = None
+#: (the default group they were made for, (weights group, gloo agreement group)), by weak reference: made again
+#: after ``destroy_process_group`` and a new ``init_process_group``, never taken from the old default group, and
+#: never kept alive past ``destroy_process_group`` (see ``magi_core.host.topology._cached``).
+_groups: tuple[weakref.ref[Any], tuple[weakref.ref[Any], weakref.ref[Any]]] | None = None
 _groups_lock = threading.Lock()
 
 
@@ -60,12 +62,15 @@ def node_groups() -> tuple[Any, Any] | None:
         return None
     default = dist.distributed_c10d._get_default_group()
     with _groups_lock:
-        if _groups is None or _groups[0] is not default or not all(group_alive(g) for g in _groups[1]):
-            timeout = datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S)
-            group, _ = dist.new_subgroups(group_size=size, timeout=timeout)
-            meta, _ = dist.new_subgroups(group_size=size, backend="gloo", timeout=timeout)
-            _groups = (default, (group, meta))
-        return _groups[1]
+        if _groups is not None and _groups[0]() is default:
+            group, meta = (r() for r in _groups[1])
+            if group is not None and meta is not None and group_alive(group) and group_alive(meta):
+                return group, meta
+        timeout = datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S)
+        group, _ = dist.new_subgroups(group_size=size, timeout=timeout)
+        meta, _ = dist.new_subgroups(group_size=size, backend="gloo", timeout=timeout)
+        _groups = (weakref.ref(default), (weakref.ref(group), weakref.ref(meta)))
+        return group, meta
 
 
 def host_identity(host: HostWeights | None) -> Identity:

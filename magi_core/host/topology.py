@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,9 +96,12 @@ def node_key(shm_dir: str) -> tuple[str, int, int, int]:
 
 
 _group_lock = threading.Lock()
-#: (the default group it was made for, the gloo group or None); the default group is held, not its id, so a
-#: group made after ``destroy_process_group`` and a new ``init_process_group`` can never be taken for it.
-_cached: tuple[Any, Any] | None = None
+#: (the default group it was made for, the gloo group or None), both by weak reference: not by id, so a group made
+#: after ``destroy_process_group`` and a new ``init_process_group`` can never be taken for it; not held, so
+#: ``destroy_process_group`` frees them (a group held past it keeps its worker threads into interpreter shutdown,
+#: where one that still drops a finished collective's tensors is killed taking the GIL: "terminate called without an
+#: active exception").
+_cached: tuple[weakref.ref[Any], weakref.ref[Any] | None] | None = None
 
 
 class Coordinator:
@@ -135,10 +139,14 @@ def _host_group() -> Any:
     global _cached
     default = dist.distributed_c10d._get_default_group()
     with _group_lock:
-        if _cached is not None and _cached[0] is default and (_cached[1] is None or group_alive(_cached[1])):
-            return _cached[1]
+        if _cached is not None and _cached[0]() is default:
+            if _cached[1] is None:
+                return None
+            cached = _cached[1]()
+            if cached is not None and group_alive(cached):
+                return cached
         group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        _cached = (default, group)
+        _cached = (weakref.ref(default), None if group is None else weakref.ref(group))
         return group
 
 
