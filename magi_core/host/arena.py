@@ -28,7 +28,8 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_stride(size: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``size``."""
     stride, acc = [], 1
     for s in reversed(size):
         stride.append(acc)
@@ -83,7 +84,7 @@ class Slot:
             if self.whole:
                 out.append(typed.as_strided(e.size, e.stride, base // item + e.storage_offset))
             else:
-                out.append(typed.as_strided(e.size, _contiguous_stride(e.size), base // item))
+                out.append(typed.as_strided(e.size, contiguous_stride(e.size), base // item))
         return out
 
     def copy_from_model(self, dst_u8: torch.Tensor, views: list[torch.Tensor]) -> None:

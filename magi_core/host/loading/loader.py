@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from magi_core.host.arena import Entry, Slot
+from magi_core.host.arena import Entry, Slot, contiguous_stride
 from magi_core.host.loading import buffers
 from magi_core.host.loading.sources import MissingTensor, ShapeMismatch, Staging, WeightSource
 from magi_core.host.topology import Claim
@@ -202,7 +202,7 @@ class Loader:
         if plan is None:
             return False
         for (kind, src), e in zip(plan, slot.entries, strict=True):
-            if kind != "source" or src is None or e.stride != _contiguous_strides(e.size):
+            if kind != "source" or src is None or e.stride != contiguous_stride(e.size):
                 return False
             if not self.source.reads_in_place(src, e.tensor.dtype):
                 return False
@@ -333,11 +333,3 @@ class Loader:
         """Close the source's files and free the staging buffer."""
         self.source.close()
         self.staging.release()
-
-
-def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
-    strides, n = [], 1
-    for d in reversed(size):
-        strides.append(n)
-        n *= max(d, 1)
-    return tuple(reversed(strides))
