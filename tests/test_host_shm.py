@@ -186,10 +186,12 @@ _TAKEN_SCRIPT = textwrap.dedent("""
                 path = os.path.join(sys.argv[3], "w.safetensors")
                 save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
                 source, opts, hook = path, HostOptions(shm_dir=shm_dir, progress=False, load_threads=1), take_the_rest
-            elif how == "files_threads":  # two threads reading straight into the mapping, no page allocated first
-                from magi_core.host.loading import sources
+            elif how.startswith("files_threads"):  # two threads reading straight into the mapping, no page
+                from magi_core.host.loading import sources  # allocated first; or converting (allocated first)
                 path = os.path.join(sys.argv[3], "w.safetensors")
                 save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
+                if how == "files_threads_convert":
+                    m = m.to(torch.bfloat16)
                 real = sources.SafetensorsSource.read_into
                 def read_into(self, *a, **k):
                     take_the_rest()
@@ -215,13 +217,13 @@ _TAKEN_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("how", ["model", "files", "files_threads", "function", "threads"])
+@pytest.mark.parametrize("how", ["model", "files", "files_threads", "files_threads_convert", "function", "threads"])
 def test_space_taken_while_filling_is_a_clear_error_not_sigbus(tiny_tmpfs: str, tmp_path: Path, how: str) -> None:
     """Files are created sparse where the kernel can allocate a range with an error instead of SIGBUS: another
     process taking the room between the check and the writes gives ShmSpaceError, the model as it was and no
     file of ours left (a model's tensors copied, a file or a function read by one thread through the file, a
-    file read by two threads straight into the mapping (the read fails, EFAULT), a function called by two
-    threads writing through the mapping)."""
+    file read by two threads straight into the mapping (the read fails, EFAULT) or converted there (allocated
+    first), a function called by two threads writing through the mapping)."""
     if not shm.can_populate():
         pytest.skip("the kernel reserves whole files up front here (no MADV_POPULATE_WRITE)")
     proc = subprocess.run([sys.executable, "-c", _TAKEN_SCRIPT, tiny_tmpfs, how, str(tmp_path)],
@@ -229,8 +231,8 @@ def test_space_taken_while_filling_is_a_clear_error_not_sigbus(tiny_tmpfs: str, 
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])  # -7 would be SIGBUS
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["error"] == "ShmSpaceError" and "while filling" in out["message"], out
-    if how == "files_threads":  # pages allocated by the read itself, not beforehand
-        assert "a read found no room" in out["message"], out
+    if how.startswith("files_threads"):  # pages allocated by the read itself, unless converted (stored through)
+        assert ("a read found no room" in out["message"]) == (how == "files_threads"), out
     assert out["unchanged"] and out["left"] == ["someone-else"], out
 
 

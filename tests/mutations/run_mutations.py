@@ -193,6 +193,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        reg = RegisteredRanges()  # mutated: no registration known\n",
         (("privateuse1", ("tests/test_transfer.py",)),),
     ),
+    Mutation(
+        "n", "load: a slot converted to the model's dtype counts as read in place, so its pages are not allocated "
+        "first and a full filesystem meets its stores through the mapping (SIGBUS instead of ShmSpaceError)",
+        "magi_core/host/loading/sources.py",
+        "        return e is not None and e.info.dtype == dtype\n",
+        "        return e is not None\n",
+        (("core", ("tests/test_host_shm.py",)),),
+    ),
 )
 
 
