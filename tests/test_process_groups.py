@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 def single_rank_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """One-rank groups in this process, whatever a test leaves initialised is destroyed afterwards."""
     pytest.importorskip("torch.testing._internal.distributed.fake_pg")  # registers the "fake" backend
-    monkeypatch.setattr(topology, "_cached", None, raising=False)
-    monkeypatch.setattr(exchange, "_groups", None)
+    monkeypatch.setattr(topology, "_HOST_GROUP", topology.GroupCache())
+    monkeypatch.setattr(exchange, "_NODE_GROUPS", topology.GroupCache())
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     try:
         yield

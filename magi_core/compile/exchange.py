@@ -13,8 +13,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import threading
-import weakref
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +23,7 @@ from magi_core._env import env_float, register_env_names
 from magi_core.config import OffloadConfig
 from magi_core.errors import ConfigError
 from magi_core.execute.transfer.exchange import ExchangeTransfer, Identity
-from magi_core.host.topology import group_alive
+from magi_core.host.topology import GroupCache
 from magi_core.plugin.facade import Backend
 
 if TYPE_CHECKING:
@@ -40,12 +38,9 @@ EXCHANGE_TIMEOUT_S = env_float("MAGI_EXCHANGE_TIMEOUT_S", minimum=1.0) or 300.0
 #: Process-group backends whose all-gather works on device tensors (torch_musa registers "mccl").
 DEVICE_COLLECTIVES = ("nccl", "mccl", "xccl", "hccl")
 
-#: (the default group they were made for, (weights group, gloo agreement group)), by weak reference: made again
-#: after ``destroy_process_group`` and a new ``init_process_group``, never taken from the old default group, and
-#: never kept alive past ``destroy_process_group`` (see ``magi_core.host.topology._cached``).
-_groups: tuple[weakref.ref[Any], tuple[weakref.ref[Any], weakref.ref[Any]]] | None = None
-_groups_lock = threading.Lock()
-
+#: This node's (weights group, gloo agreement group), per default group (made again after a new
+#: ``init_process_group``, never kept alive past ``destroy_process_group``).
+_NODE_GROUPS = GroupCache()
 
 def _node_size() -> int:
     local = os.environ.get("LOCAL_WORLD_SIZE")
@@ -53,24 +48,21 @@ def _node_size() -> int:
 
 
 def node_groups() -> tuple[Any, Any] | None:
-    """This node's (weights group, gloo agreement group), made once per process; None for a single rank."""
-    global _groups
+    """This node's (weights group, gloo agreement group), made once per default group; None for a single rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     size = _node_size()
     if size <= 1 or dist.get_world_size() % size:
         return None
-    default = dist.distributed_c10d._get_default_group()
-    with _groups_lock:
-        if _groups is not None and _groups[0]() is default:
-            group, meta = (r() for r in _groups[1])
-            if group is not None and meta is not None and group_alive(group) and group_alive(meta):
-                return group, meta
+
+    def make() -> tuple[Any, Any]:
         timeout = datetime.timedelta(seconds=EXCHANGE_TIMEOUT_S)
         group, _ = dist.new_subgroups(group_size=size, timeout=timeout)
         meta, _ = dist.new_subgroups(group_size=size, backend="gloo", timeout=timeout)
-        _groups = (weakref.ref(default), (weakref.ref(group), weakref.ref(meta)))
         return group, meta
+
+    group, meta = _NODE_GROUPS.get(make)
+    return group, meta
 
 
 def host_identity(host: HostWeights | None) -> Identity:

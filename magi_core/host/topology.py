@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,13 +95,35 @@ def node_key(shm_dir: str) -> tuple[str, int, int, int]:
     return (socket.gethostname(), int(st.st_dev), int(st.st_ino), os.getuid())
 
 
-_group_lock = threading.Lock()
-#: (the default group it was made for, the gloo group or None), both by weak reference: not by id, so a group made
-#: after ``destroy_process_group`` and a new ``init_process_group`` can never be taken for it; not held, so
-#: ``destroy_process_group`` frees them (a group held past it keeps its worker threads into interpreter shutdown,
-#: where one that still drops a finished collective's tensors is killed taking the GIL: "terminate called without an
-#: active exception").
-_cached: tuple[weakref.ref[Any], weakref.ref[Any] | None] | None = None
+class GroupCache:
+    """Process groups made once per default group and held by weak reference.
+
+    Not keyed by id, so groups made after ``destroy_process_group`` and a new ``init_process_group`` are never
+    taken for the old ones; not held, so ``destroy_process_group`` frees them (a group held past it keeps its
+    worker threads into interpreter shutdown, where one that still drops a finished collective's tensors is killed
+    taking the GIL: "terminate called without an active exception").
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._default: weakref.ref[Any] | None = None
+        self._groups: tuple[weakref.ref[Any], ...] = ()
+
+    def get(self, make: Callable[[], tuple[Any, ...]]) -> tuple[Any, ...]:
+        """The groups ``make()`` made for the current default group, made now when there are none alive."""
+        default = dist.distributed_c10d._get_default_group()
+        with self._lock:
+            if self._default is not None and self._default() is default:
+                groups = tuple(r() for r in self._groups)
+                if all(g is not None and group_alive(g) for g in groups):
+                    return groups
+            groups = make()
+            self._default = weakref.ref(default)
+            self._groups = tuple(weakref.ref(g) for g in groups)
+            return groups
+
+
+_HOST_GROUP = GroupCache()
 
 
 class Coordinator:
@@ -136,18 +158,8 @@ def _dist_on() -> bool:
 def _host_group() -> Any:
     """A gloo process group over all ranks, created once per default group (collective on first use); None when
     the default group already runs on gloo."""
-    global _cached
-    default = dist.distributed_c10d._get_default_group()
-    with _group_lock:
-        if _cached is not None and _cached[0]() is default:
-            if _cached[1] is None:
-                return None
-            cached = _cached[1]()
-            if cached is not None and group_alive(cached):
-                return cached
-        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        _cached = (weakref.ref(default), None if group is None else weakref.ref(group))
-        return group
+    groups = _HOST_GROUP.get(lambda: () if dist.get_backend() == "gloo" else (dist.new_group(backend="gloo"),))
+    return groups[0] if groups else None
 
 
 def group_alive(group: Any) -> bool:

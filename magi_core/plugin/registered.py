@@ -41,7 +41,7 @@ class RegisteredRanges:
             self._changed()
 
     def _changed(self) -> None:
-        self._bounds = tuple(sorted({p for p in self._held} | {p + n for p, ns in self._held.items() for n in ns}))
+        self._bounds = tuple(sorted(set(self._held) | {p + n for p, ns in self._held.items() for n in ns}))
         self.version += 1
 
     def bounds(self) -> tuple[int, ...]:
