@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import statistics
 import time
 import zlib
@@ -64,7 +65,14 @@ def arena_rate(host: Any, dm: Any, device: torch.device, chunk: int = 256 << 20)
     """Bytes/s of copying every arena of ``host`` to the device in ``chunk``-byte pieces with all ranks at once:
     what the link gives from this memory (all of it, not a reused probe buffer)."""
     buf = torch.empty(chunk, dtype=torch.uint8, device=device)
-    pieces = [a.buf[i:i + chunk] for a in host.arenas for i in range(0, a.buf.numel(), chunk)]
+    bounds = be_bounds()
+    pieces = []
+    for a in host.arenas:
+        base = a.buf.data_ptr()
+        # cut at every registration's bound too: one copy from two registrations is refused (CUDA: invalid argument)
+        cuts = sorted({0, a.buf.numel(), *range(0, a.buf.numel(), chunk),
+                       *(b - base for b in bounds if base < b < base + a.buf.numel())})
+        pieces += [a.buf[lo:hi] for lo, hi in itertools.pairwise(cuts)]
     buf[: pieces[0].numel()].copy_(pieces[0], non_blocking=True)  # warm the path
     dm.synchronize()
     dist.barrier()
@@ -73,6 +81,11 @@ def arena_rate(host: Any, dm: Any, device: torch.device, chunk: int = 256 << 20)
         buf[: p.numel()].copy_(p, non_blocking=True)
     dm.synchronize()
     return sum(p.numel() for p in pieces) / (time.perf_counter() - t0)
+
+
+def be_bounds() -> tuple[int, ...]:
+    """Every host range registered through magi-core in this process, as sorted start and end addresses."""
+    return magi_core.get_backend().registered.bounds()
 
 
 def link_rate_all_ranks(be: Any, device: torch.device) -> float:
