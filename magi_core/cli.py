@@ -11,9 +11,11 @@ import importlib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 #: Subcommands served by other modules: name -> (module, one-line help).
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
@@ -264,8 +266,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             except BackendError as exc:
                 print(f"magi: {exc}", file=sys.stderr)
                 return EXIT_SELECTION_ERROR
-        return int(module.main(args))
-    return int(args.func(args))
+        return _run_command(lambda: int(module.main(args)), lazy_name, args.verbose)
+    return _run_command(lambda: int(args.func(args)), args.command, args.verbose)
+
+
+def _run_command(run: Callable[[], int], name: str, verbose: int) -> int:
+    """Run a subcommand; a magi-core error (no usable backend, a bad setting) is one line on stderr, not a
+    traceback (``-v``: the traceback too). Exit 1 for a backend that cannot be selected, 2 for other errors."""
+    from magi_core.errors import BackendError, MagiError
+
+    try:
+        return run()
+    except MagiError as exc:
+        if verbose:
+            logger.error("magi %s failed", name, exc_info=exc)
+        print(f"magi {name}: {exc}" + ("" if verbose else f" (`magi -v {name}` shows the traceback)"),
+              file=sys.stderr)
+        return EXIT_SELECTION_ERROR if isinstance(exc, BackendError) else EXIT_UNAVAILABLE
 
 
 if __name__ == "__main__":

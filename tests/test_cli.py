@@ -312,3 +312,38 @@ def test_demo_on_the_cpu_says_what_it_shows_and_explains_its_columns() -> None:
     for column in ("run", "compiler", "step ms", "planned ms", "streamed MB/step", "err vs resident"):
         assert column in header and legend.count(f"  {column} ") == 1, column  # each explained once
     assert "PASSED" in out and "not meaningful there" not in out
+
+
+# -- what get_backend() would refuse is a selection error in the listing too; errors of a command are one line ------
+
+def test_listing_reports_what_building_the_backend_refuses(tmp_path: Path) -> None:
+    add_backend(tmp_path, "noto", device_type="noto", priority=50, aliases=("orig_to",))
+    run = magi("backends", "--json", paths=(tmp_path,))
+    assert run.returncode == cli.EXIT_SELECTION_ERROR, run.stdout + run.stderr
+    report = _json(run)
+    assert report["selected"] is None and "magi_to_method_aliases must include 'to'" in report["selection_error"]
+    demo = magi("demo", "--steps", "1", paths=(tmp_path,))
+    assert demo.returncode == cli.EXIT_SELECTION_ERROR
+    assert "Traceback" not in demo.stderr and "magi demo: backend 'noto'" in demo.stderr, demo.stderr
+    assert "magi_to_method_aliases must include 'to'" in demo.stderr and "`magi -v demo`" in demo.stderr
+
+
+def test_a_malformed_hookspec_answer_is_named_as_such(tmp_path: Path) -> None:
+    add_backend(tmp_path, "strver", device_type="strver", priority=50,
+                omit=["magi_hookspec_versions"], extra='@hookimpl\ndef magi_hookspec_versions():\n    return "1"\n')
+    report = _json(magi("backends", "--json", paths=(tmp_path,)))
+    rec = next(b for b in report["backends"] if b["name"] == "strver")
+    assert rec["status"] == "refused" and rec["spec_error"].startswith("TypeError: magi_hookspec_versions returned '1'")
+    assert rec["lost"].startswith("refused: magi_hookspec_versions failed: TypeError")
+    assert "supports no" not in rec["lost"]
+    check = magi("backends", "--check", "strver", paths=(tmp_path,))
+    assert check.returncode == cli.EXIT_CHECK_FAILED and "magi_hookspec_versions failed: TypeError" in check.stdout
+
+
+def test_check_does_not_blame_the_probe_for_the_host_being_initialised(tmp_path: Path) -> None:
+    add_backend(tmp_path, "hostly", device_type="cpu", priority=-5, omit=["magi_device_module"],
+                extra="import torch\n@hookimpl\ndef magi_device_module():\n    return torch.cpu\n")
+    run = magi("backends", "--json", "--check", "hostly", paths=(tmp_path,))
+    check = _json(run)["check"]
+    assert "magi_probe" not in {p["hook"] for p in check["problems"]}, check
+    assert any("the host needs no initialisation" in n for n in check["notes"])

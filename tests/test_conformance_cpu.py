@@ -116,3 +116,52 @@ def test_kit_keeps_torch_trace_records_out_of_the_output(magi_backend) -> None:
 
 def test_kit_restores_torch_trace_logging_afterwards() -> None:
     assert logging.getLogger("torch.__trace").level == logging.DEBUG
+
+
+PROFILED_RANGES = """
+import os, torch
+_OPEN = []
+
+@hookimpl
+def magi_range_push(name):
+    _OPEN.append(torch.ops.profiler._record_function_enter_new(name, None))
+
+@hookimpl
+def magi_range_pop():
+    if os.environ.get("FAKE_POP_CLOSES", "1") == "1":  # else: a pop that forgets to close (the handle stays held)
+        torch.ops.profiler._record_function_exit._RecordFunction(_OPEN.pop())
+"""
+
+
+def test_kit_sees_a_pop_that_closes_nothing(tmp_path: Path) -> None:
+    source = backend_source("ranged", -20, omit=["magi_range_push", "magi_range_pop"], extra=PROFILED_RANGES)
+    write_dist(tmp_path / "site", "magi-backend-ranged", {"fake_ranged": source}, {"ranged": "fake_ranged"})
+    good = _kit(tmp_path, "ranged", "-k", "ranges_balance")
+    assert "1 passed" in good.stdout, good.stdout[-3000:]
+    env = python_env([tmp_path / "site"], {"FAKE_POP_CLOSES": "0"})
+    argv = [*KIT, "--magi-backend=ranged", "--rootdir", str(tmp_path), "-k", "ranges_balance"]
+    bad = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+                         stdin=subprocess.DEVNULL)
+    assert "1 failed" in bad.stdout, bad.stdout[-3000:]
+    assert "magi_range_pop: ranges ['outer', 'inner'" in bad.stdout and "were still open after their pops" in bad.stdout
+
+
+RAISING_REGISTER = """
+@hookimpl
+def magi_host_register(ptr, nbytes):
+    raise RuntimeError("vendor runtime exploded")
+"""
+
+
+def test_kit_names_the_hook_when_register_raises_something_else(tmp_path: Path) -> None:
+    source = backend_source("cpu", -20, omit=["magi_host_register"], extra=RAISING_REGISTER)
+    write_dist(tmp_path / "site", "magi-backend-boom", {"fake_boom": source}, {"boom": "fake_boom"})
+    run = _kit(tmp_path, "boom", "-k", "host_register or streams_and_events")
+    failed = re.findall(r"^FAILED \S+::(test_\w+)", run.stdout, re.M)
+    assert len(failed) >= 4, run.stdout[-3000:]
+    sections = re.split(r"^_{3,} (test_\w+) _{3,}$", run.stdout, flags=re.M)[1:]
+    for name, body in zip(sections[::2], sections[1::2], strict=True):
+        # one line naming the hook and the runtime's text, no source listing of the kit
+        assert re.search(r"magi_host_register: .* raised RuntimeError: vendor runtime exploded", body), body
+        assert "During handling" not in body, body
+        assert not re.search(r"^>", body, re.M), (name, body)

@@ -200,6 +200,26 @@ def test_refused_pinning_logs_memlock_and_keeps_going(shm_dir: str, caplog: pyte
     assert "memlock limit" in caplog.text
 
 
+def test_a_register_hook_raising_another_error_is_named_a_backend_bug(shm_dir: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Not the HostRegisterError of the hook spec: the log blames the backend, not the memlock limit; the weights
+    stay right (pageable)."""
+    real = get_backend()
+
+    def register(ptr: int, nbytes: int) -> None:
+        raise AttributeError("'NoneType' object has no attribute 'cudaHostRegister'")
+
+    be = dataclasses.replace(real, _register=register)
+    m = nn.Linear(64, 64)
+    want = m.weight.detach().clone()
+    with caplog.at_level(logging.WARNING, logger="magi_core.host"):
+        with materialize(m, options=OPTS, backend=be) as hw:
+            assert hw.pinned_bytes == 0 and "AttributeError" in hw.report["pin"]["error"]
+            assert torch.equal(m.weight, want)
+    assert "a bug in that backend" in caplog.text and f"backend {real.name!r}" in caplog.text
+    assert "memlock limit" not in caplog.text and registered_ranges() == {}
+
+
 def test_progress_callback_reports_every_byte(shm_dir: str) -> None:
     seen: list[tuple[str, int, int]] = []
     m = Net()

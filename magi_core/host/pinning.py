@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from magi_core.errors import HostRegisterError
 from magi_core.host.arena import PAGE
 from magi_core.plugin.facade import Backend
 
@@ -96,12 +97,21 @@ def pin_ranges(
             break
         try:
             backend.host_register(ptr, n)
-        except Exception as exc:  # the runtime's own error; we report it with the memlock limit
+        except HostRegisterError as exc:  # the runtime refused: we report it with the memlock limit
             res.error = f"{type(exc).__name__}: {exc}"
             logger.warning(
                 "rank %d: pinning %d bytes at %#x failed (%s); memlock limit: %s. The rest stays pageable "
                 "(host-to-device copies from it run at pageable speed). Raise the limit (ulimit -l unlimited, "
                 "docker --ulimit memlock=-1) or set MAGI_PIN_BUDGET_GB.", rank, n, ptr, res.error, memlock_limit(),
+            )
+            break
+        except Exception as exc:  # not the hook's documented failure: a fault of the backend, not of a limit
+            res.error = f"{type(exc).__name__}: {exc}"
+            logger.error(
+                "rank %d: backend %r (%s)'s magi_host_register raised %s for %d bytes at %#x, not the "
+                "HostRegisterError its hook spec names for a refused range: a bug in that backend, report it to "
+                "its maintainers. Nothing more is pinned; the rest stays pageable (copies from it run at pageable "
+                "speed).", rank, backend.name, backend.package, res.error, n, ptr,
             )
             break
         res.ranges.append((ptr, n))

@@ -228,7 +228,10 @@ def check_backend(name: str, records: dict[str, BackendRecord] | None = None) ->
         except Exception as exc:
             report.add("magi_device_module", f"is_initialized() raised {type(exc).__name__}: {exc}",
                        "make is_initialized() answer without initialising")
-        if report.initialised:
+        if report.initialised and rec.device_type == "cpu":
+            report.notes.append("device type 'cpu': the host needs no initialisation (is_initialized() answers "
+                                "True for it), so the check cannot blame the probe for it")
+        elif report.initialised:
             report.add("magi_probe", "the device is initialised after probing and loading the backend (a forked "
                                      "child could no longer use it)",
                        "initialise nothing in magi_probe, magi_device_module or magi_capabilities: count devices "

@@ -101,6 +101,7 @@ class BackendRecord:
     load_error: BaseException | None = None
     probe: ProbeResult | None = None
     probe_error: BaseException | None = None
+    spec_error: BaseException | None = None
     spec_versions: tuple[str, ...] = ()
     missing_required: tuple[str, ...] = ()
     missing_optional: tuple[str, ...] = ()
@@ -123,6 +124,9 @@ class BackendRecord:
                 f"missing required hook(s) {', '.join(self.missing_required)}; "
                 f"implement them with @magi_core.plugin.hookimpl (see CONTRIBUTING.md, hook reference)"
             )
+        if self.spec_error is not None:
+            return (f"magi_hookspec_versions failed: {_describe_exception(self.spec_error)}; return the spec "
+                    f"versions it supports as a sequence of strings, e.g. (\"{spec_major(HOOKSPEC_VERSION)}\",)")
         if not self.spec_compatible:
             major = spec_major(HOOKSPEC_VERSION)
             return (
@@ -215,6 +219,7 @@ class BackendRecord:
             "why_unavailable": self.why_unavailable,
             "load_error": _describe_exception(self.load_error) if self.load_error is not None else None,
             "probe_error": _describe_exception(self.probe_error) if self.probe_error is not None else None,
+            "spec_error": _describe_exception(self.spec_error) if self.spec_error is not None else None,
             "hookspec_versions": list(self.spec_versions),
             "missing_required_hooks": list(self.missing_required),
             "missing_optional_hooks": list(self.missing_optional),
@@ -222,7 +227,7 @@ class BackendRecord:
             "selected": selected,
             "status": self.status,
             "lost": lost,
-            "error_traceback": _traceback_text(self.load_error if self.load_error is not None else self.probe_error),
+            "error_traceback": _traceback_text(self.load_error or self.spec_error or self.probe_error),
         }
 
 
@@ -314,7 +319,7 @@ def _probe(rec: BackendRecord) -> None:
             raise TypeError(f"magi_hookspec_versions returned {versions!r}, expected a sequence like ('1',)")
         rec.spec_versions = tuple(str(v) for v in versions)
     except Exception as exc:
-        rec.probe_error = exc
+        rec.spec_error = exc
         logger.error("magi backend %r (%s): magi_hookspec_versions raised %s", rec.name, rec.package,
                      _describe_exception(exc))
         return
@@ -506,12 +511,14 @@ class Registry:
         return top[0]
 
     def selection(self, explicit: str | None = None) -> Selection:
-        """Which backend :meth:`choose` picks and why, or the error it raises, without building the facade."""
+        """Which backend :meth:`choose` picks and why, or the error that :meth:`choose` or building its facade
+        raises (nothing is kept: the selection itself does not change)."""
         with self._lock:
             if self._active is not None and explicit is None:
                 return Selection(name=self._active.name, selected_by=self._active.selected_by)
         try:
             rec, how = self.choose(explicit)
+            self._facade(rec, how)  # what get_backend() refuses (aliases, device module, capabilities) fails here too
         except BackendError as exc:
             return Selection(name=None, selected_by=None, error=str(exc))
         return Selection(name=rec.name, selected_by=how)

@@ -156,7 +156,9 @@ def magi_probe() -> ProbeResult:
     and lists a compatible spec major in :func:`magi_hookspec_versions` (which is called first), whether or
     not it will be selected. So it must not initialise the device: no context creation, no allocation,
     no runtime call that initialises the driver (``device_count()`` only where it does not); a process must
-    be able to probe, fork, and use the device in the child. Importing the vendor's torch extension is fine.
+    be able to probe, fork, and use the device in the child. Importing the vendor's torch extension is fine
+    where that import changes nothing for other backends; one that takes torch's PrivateUse1 slot on import is
+    looked for with ``importlib.util.find_spec`` and imported in :func:`magi_device_module` instead.
 
     Required. When it raises, or returns anything but a :class:`ProbeResult`, the backend is refused: the
     exception is logged and listed by ``magi backends``, never swallowed.

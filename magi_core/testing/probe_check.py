@@ -2,9 +2,9 @@
 
 ``python -m magi_core.testing.probe_check NAME`` prints one JSON object: the probe result, whether
 the device module reports itself initialised after discovery and selection (None when it cannot
-say), and, for an accelerator that can allocate tensors, whether a forked child could then use the
-device (``fork``: ``"ok"``, ``"failed: ..."``, ``"no-alloc: ..."`` for a device without kernels,
-or None when not tried). Exit status 0 unless the script itself broke.
+say, or for device type "cpu": the host), and, for an accelerator that can allocate tensors, whether a
+forked child could then use the device (``fork``: ``"ok"``, ``"failed: ..."``, ``"no-alloc: ..."`` for a
+device without kernels, or None when not tried). Exit status 0 unless the script itself broke.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def check(name: str | None) -> dict[str, Any]:
     rec = records[backend.name]
     module = backend.device_module
     is_init = getattr(module, "is_initialized", None)
-    initialised = bool(is_init()) if callable(is_init) else None
+    # the host (device type "cpu") needs no initialisation: torch.cpu.is_initialized() always answers True
+    initialised = bool(is_init()) if callable(is_init) and backend.device_type != "cpu" else None
     result: dict[str, Any] = {
         "name": backend.name,
         "available": rec.available,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from magi_core.plugin import HostRangeTable, ProbeResult, hookimpl
+from magi_core.plugin import BackendError, Capabilities, HostRangeTable, ProbeResult, hookimpl
 
 DEVICE_TYPE = "magidev"
 #: Below the CPU backend (0): only selected by name.
@@ -103,7 +103,16 @@ def magi_range_push(name: str) -> None:
 @hookimpl
 def magi_range_pop() -> None:
     """Close the innermost span opened by ``magi_range_push`` on this thread."""
-    _ranges.stack.pop().__exit__(None, None, None)
+    stack = getattr(_ranges, "stack", None)
+    if not stack:
+        raise BackendError("magi_range_pop: no range is open on this thread (a pop without its push)")
+    stack.pop().__exit__(None, None, None)
+
+
+@hookimpl
+def magi_capabilities() -> Capabilities:
+    """Eager units, wrapped calls: torch's Inductor has no code generator for magidev (decided without the device)."""
+    return Capabilities(reason="torch's Inductor has no code generator for magidev: units run eagerly")
 
 
 @hookimpl

@@ -66,6 +66,7 @@ class ExchangeTransfer(UnitTransfer):
         self._identity = identity
         self.gather_stream = backend.device_module.Stream()
         self._synchronize = backend.device_module.synchronize
+        self._host_register, self._host_unregister = backend.host_register, backend.host_unregister
         self._batches: tuple[tuple[int, ...], ...] = ()
         self._eligible: list[bool] = []
         self._shards: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]] = []
@@ -107,20 +108,26 @@ class ExchangeTransfer(UnitTransfer):
         nbytes = max(self.world * WEIGHT_ALIGNMENT, int(min(measured_Bps * 0.02, 1 << 30)))
         nbytes = -(-nbytes // (self.world * WEIGHT_ALIGNMENT)) * (self.world * WEIGHT_ALIGNMENT)
         host = torch.empty(nbytes // self.world, dtype=torch.uint8)
-        pinned = host.pin_memory() if self._needs_release else host
         place = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         shard = place[self.rank * (nbytes // self.world):(self.rank + 1) * (nbytes // self.world)]
         best = float("inf")
-        for _ in range(3):
-            self._synchronize()
-            dist.barrier(group=self.meta_group)
-            t0 = time.perf_counter()
-            with self._stream_ctx(self.copy_stream):
-                shard.copy_(pinned, non_blocking=True)
-                work = dist.all_gather_into_tensor(place, shard, group=self.group, async_op=True)
-                work.wait()
-            self._synchronize()
-            best = min(best, time.perf_counter() - t0)
+        # pinned in place through the backend, as the weights are (no second, allocator-pinned copy)
+        if self._needs_release:
+            self._host_register(host.data_ptr(), host.numel())
+        try:
+            for _ in range(3):
+                self._synchronize()
+                dist.barrier(group=self.meta_group)
+                t0 = time.perf_counter()
+                with self._stream_ctx(self.copy_stream):
+                    shard.copy_(host, non_blocking=True)
+                    work = dist.all_gather_into_tensor(place, shard, group=self.group, async_op=True)
+                    work.wait()
+                self._synchronize()
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            if self._needs_release:
+                self._host_unregister(host.data_ptr())
         rate = torch.tensor([nbytes / best], dtype=torch.float64)
         dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=self.meta_group)
         logger.info("magi exchange: %d ranks receive weights at %.2f GB/s each (host link alone: %.2f GB/s)",
