@@ -363,6 +363,7 @@ def test_host_register_range_another_component_pinned(magi_backend: Backend) -> 
         pytest.skip(f"Tensor.pin_memory() gave memory torch does not report pinned for {magi_backend.device_type!r}")
     ptr, nbytes = p.data_ptr(), p.numel() * p.element_size()
     expected = _host_tensor(1 << 14)
+    raised: str | None = None
     try:
         magi_backend.host_register(ptr, nbytes)
     except HostRegisterError:
@@ -375,8 +376,6 @@ def test_host_register_range_another_component_pinned(magi_backend: Backend) -> 
         return
     except Exception as exc:
         raised = f"{type(exc).__name__}: {exc}"
-    else:
-        raised = None
     if raised is not None:
         pytest.fail(f"magi_host_register: registering memory torch's pinned allocator pinned first raised {raised}; "
                     "accept it (the runtime answers 712) or raise HostRegisterError", pytrace=False)
