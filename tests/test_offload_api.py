@@ -186,3 +186,38 @@ def test_bad_pin_budget_is_a_config_error_and_leaves_nothing(value, shm_dir, mon
         offload(model, CFG)
     monkeypatch.delenv("MAGI_PIN_BUDGET_GB")
     _assert_nothing_left(model, before, shm_dir, x, ref)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.full((16,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("how", ["buffer_then_to", "device_parameter"])
+def test_a_weight_put_on_the_device_after_offload_is_a_clear_error(how, shm_dir):
+    backend = get_backend()
+    if not backend.is_accelerator:
+        pytest.skip("needs a device with its own memory (magidev, CUDA): on the CPU backend the host is the device")
+    m = _Scaled().eval()
+    offload(m, OffloadConfig())
+    try:
+        x = torch.randn(2, 16)
+        with torch.no_grad():
+            m(x)
+            if how == "buffer_then_to":  # a buffer added after offload, then pipe.to(device) as users do
+                m.register_buffer("scale", torch.full((16,), 2.0))
+                m.to(backend.device())
+                name = "scale"
+            else:  # an adapter's weight made on the device
+                m.lin.weight = nn.Parameter(torch.ones(16, 16, device=backend.device()))
+                name = "lin.weight"
+            with pytest.raises(MagiError, match=rf"{name} \({backend.device_type}:0\) is on the device.*Keep them on "
+                                                r"the host: assign host tensors"):
+                m(x)
+    finally:
+        release(m)

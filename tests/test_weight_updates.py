@@ -232,6 +232,34 @@ def test_resident_copy_follows_its_host_tensor_without_a_change_notice() -> None
     assert len(store) == 0
 
 
+def test_resident_copy_and_its_recorded_address_come_from_one_view() -> None:
+    """Another thread rebinds ``p.data`` while the resident copy is being made (found by a threaded probe on
+    magidev: the copy held the old bytes, the new address was recorded, and every later call stayed stale)."""
+    backend = get_backend()
+    store = ResidentStore()
+    resident = ResidentSet(store, backend.device(), (0,))
+    compute = backend.device_module.current_stream()
+    p = nn.Parameter(torch.ones(4))
+    new = torch.full((4,), 2.0)
+
+    class RebindDuringCopy(CloningTransfer):
+        def fetch_now(self, host: torch.Tensor, compute_stream: Any) -> torch.Tensor:
+            out = super().fetch_now(host, compute_stream)
+            if p.data.data_ptr() != new.data_ptr():
+                p.data = new  # lands between the copy and the bookkeeping after it, as a racing thread may
+            return out
+
+    transfer = RebindDuringCopy(backend, backend.device())
+    env: list[Any] = [None]
+    resident.fill([p], env, transfer, compute)
+    assert torch.equal(env[0].cpu(), torch.ones(4))  # this call used the bytes it copied
+    resident.fill([p], env, transfer, compute)  # the next call sees the new address and copies again
+    assert torch.equal(env[0].cpu(), new)
+    assert resident.copies == 2 and len(store) == 1
+    resident.close(transfer, compute)
+    assert len(store) == 0  # nothing orphaned under the old address
+
+
 def test_sparse_edit_through_data_is_seen_after_weights_changed(shm_dir: str) -> None:
     model = build_transformer(SPEC)
     ref = build_transformer(SPEC)

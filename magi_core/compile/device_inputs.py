@@ -326,6 +326,28 @@ class OffloadedForward:
             inner = getattr(e, "inner_exception", None)
             if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) and isinstance(inner, MagiError):
                 raise inner from None  # magi's own answer (the backend raised it), not Dynamo's wrapper
-            if isinstance(e, MagiError) or not is_graph_break(e):
+            if isinstance(e, MagiError):
+                raise
+            off_host = self._weights_off_host() if isinstance(e, torch._dynamo.exc.TorchDynamoException) else []
+            if off_host:
+                names = ", ".join(off_host[:8]) + (" and more" if len(off_host) > 8 else "")
+                raise MagiError(
+                    f"{self.model_name}: {names} {'is' if len(off_host) == 1 else 'are'} on the device, but an "
+                    "offloaded model keeps its weights and buffers on the host and streams them (model.to(device) "
+                    "leaves the offloaded ones there and moves only tensors added after offload). Keep them on "
+                    "the host: assign host tensors (register_buffer(name, t.cpu()), nn.Parameter(t.cpu())), or "
+                    "magi_core.release(model, restore=True), change the model and offload it again. The error "
+                    f"they caused: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                ) from e
+            if not is_graph_break(e):
                 raise
             raise graph_break_error(e, self.model_name) from e
+
+    def _weights_off_host(self) -> list[str]:
+        """Names of the offloaded model's parameters and buffers that are not on the host (after a failure)."""
+        host = self.handle.host if self.handle is not None else None
+        model = host.model if host is not None else None
+        if model is None:
+            return []
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        return [f"{name} ({t.device})" for name, t in named if t.device.type != "cpu"]

@@ -33,17 +33,24 @@ class ResidentStore:
         self._entries: dict[tuple[int, int, torch.device], _Entry] = {}
 
     def acquire(
-        self, host: torch.Tensor, device: torch.device, copy: Callable[[torch.Tensor], torch.Tensor]
+        self, host: torch.Tensor, data: torch.Tensor, device: torch.device,
+        copy: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """The device copy of ``host`` (made with ``copy`` if no executor holds one), with one more reference."""
-        key = (id(host), host.data_ptr(), device)
+        """The device copy of ``host`` whose data is ``data`` (made with ``copy(data)`` if no executor holds one),
+        with one more reference.
+
+        ``data`` is one view of ``host``'s data taken by the caller (``host.detach()``): the key and the copy
+        both come from it, so a ``host.data = ...`` from another thread meanwhile cannot pair one storage's
+        address with another storage's bytes (the next step sees the new address and copies again).
+        """
+        key = (id(host), data.data_ptr(), device)
         with self._lock:
             e = self._entries.get(key)
             if e is not None and e.host() is host:
                 e.refs += 1
                 return e.device
         with torch.no_grad():
-            dev = copy(host)
+            dev = copy(data)
         with self._lock:
             self._entries[key] = _Entry(weakref.ref(host), dev, 1)
         return dev
@@ -104,18 +111,23 @@ class ResidentSet:
         for k, i in enumerate(self.indices):
             h: torch.Tensor = args[i]
             if h is not hosts[k] or h.data_ptr() != ptrs[k]:
+                # one view of the data now: what is copied and the address recorded for it are the same storage
+                # even if another thread rebinds ``h.data`` meanwhile (the next step then sees the new address)
+                data = h.detach()
                 if hosts[k] is not None:
                     old = self._store.release(id(hosts[k]), ptrs[k], self._device)
                     if old is not None:
                         transfer.release(old, compute_stream)
-                devs[k] = self._store.acquire(h, self._device, lambda t: transfer.fetch_now(t, compute_stream))
+                devs[k] = self._store.acquire(h, data, self._device,
+                                              lambda t: transfer.fetch_now(t, compute_stream))
                 hosts[k] = h
-                ptrs[k] = h.data_ptr()
+                ptrs[k] = data.data_ptr()
                 self.copies += 1
             elif i in changed:
                 dev = devs[k]
                 assert dev is not None
-                transfer.refresh(dev, h, compute_stream)
+                # (rebound since the check above: these bytes now, and the next step sees the new address)
+                transfer.refresh(dev, h.detach(), compute_stream)
                 self.copies += 1
             env[i] = devs[k]
 

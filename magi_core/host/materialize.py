@@ -148,6 +148,11 @@ class HostWeights:
 
     # -- public ------------------------------------------------------------------------------------
     @property
+    def model(self) -> nn.Module | None:
+        """The model these weights belong to (None once it was garbage-collected)."""
+        return self._model()
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of weights held (no padding)."""
         return self.layout.weight_bytes
