@@ -10,9 +10,9 @@ the last unit) must be redone when the host weight changed in between. A weight 
 - a sample of its bytes differs: in-place edits through ``param.data`` (which has its own version
   counter, e.g. peft's unsafe LoRA merge ``weight.data += delta``). The sample is ``SAMPLES`` whole
   elements spread evenly over the tensor's span (first and last included), gathered for all weights of
-  one host storage (one arena) with one ``take``: dense edits are always seen; an edit of a few elements
-  through ``.data`` may fall between samples (``magi_core.handle(model).weights_changed()`` forces a
-  refresh).
+  one host storage (one arena) with one ``take``: dense edits are always seen; a partial edit through
+  ``.data`` (rows, pruning, clipping) usually falls between samples, and is seen only after
+  ``magi_core.handle(model).weights_changed()`` (the README says so).
 """
 
 from __future__ import annotations
