@@ -35,7 +35,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     $(junit accel) 2>&1 | tee "$OUT/accel.log" || rc=1
   # the executor suites that run on whichever backend is active: here on CUDA (real streams, caching allocator)
   python3 -m pytest -q -rs tests/test_executor.py tests/test_threads.py tests/test_weight_updates.py \
-    tests/test_handle.py tests/test_schedulers.py tests/test_transfer.py -p no:cacheprovider \
+    tests/test_handle.py tests/test_schedulers.py tests/test_transfer.py tests/test_offload_api.py -p no:cacheprovider \
     $(junit executor-cuda) 2>&1 | tail -n 15 \
     | tee "$OUT/executor-cuda.log" || rc=1
 fi
