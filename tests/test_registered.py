@@ -28,6 +28,7 @@ def test_crossed_and_region_match_the_ranges_held(ops: list[tuple[bool, int, int
         version = rec.version
     bounds = sorted({p for p, _ in held} | {p + s for p, s in held})
     assert list(rec.bounds()) == bounds
+    assert rec.held() == {p: max(s for q, s in held if q == p) for p, _ in held}
     hi = lo + n
     assert rec.crossed(lo, hi) == any(lo < b < hi for b in bounds)
     # two addresses share a region exactly when no bound lies in (a, b]

@@ -40,6 +40,11 @@ class RegisteredRanges:
                 del self._held[ptr]
             self._changed()
 
+    def held(self) -> dict[int, int]:
+        """A copy of the ranges held now, ``start -> nbytes`` (the largest where several share a start)."""
+        with self._lock:
+            return {p: max(ns) for p, ns in self._held.items()}
+
     def _changed(self) -> None:
         self._bounds = tuple(sorted(set(self._held) | {p + n for p, ns in self._held.items() for n in ns}))
         self.version += 1
