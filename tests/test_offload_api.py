@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,10 +80,18 @@ def _torch_nn_models() -> dict[str, nn.Module]:
 
 @pytest.fixture
 def shm_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("MAGI_SHM_DIR", str(tmp_path))
+    # a private directory in memory (tmpfs), as in use: an accelerator runtime refuses to pin file-backed pages of a
+    # disk filesystem (CUDA: "invalid argument" on ext4), which would leave nothing registered to check
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    path = base / f"magi-test-api-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    monkeypatch.setenv("MAGI_SHM_DIR", str(path))
     torch._dynamo.reset()
-    yield tmp_path
-    torch._dynamo.reset()
+    try:
+        yield path
+    finally:
+        torch._dynamo.reset()
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kind", ["Sequential", "Linear", "ModuleList"])
