@@ -201,6 +201,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        return e is not None\n",
         (("core", ("tests/test_host_shm.py",)),),
     ),
+    Mutation(
+        "o", "residency: the address recorded for a resident copy is read from the parameter after the copy, not "
+        "from the view copied, so a param.data rebound by another thread meanwhile leaves every later call stale",
+        "magi_core/execute/residency.py",
+        "                ptrs[k] = data.data_ptr()\n",
+        "                ptrs[k] = h.data_ptr()\n",
+        (("core", ("tests/test_weight_updates.py",)),),
+    ),
 )
 
 
