@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 from typing import Any
 
 import pytest
@@ -535,6 +536,26 @@ def test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget()
     first, second = _two_shapes(model, device_memory_budget_bytes=weights)  # the first keeps everything
     assert sum(first.resident_hosts.values()) == weights and second.resident_hosts == first.resident_hosts
     assert second.executor.actions.streamed_bytes == 0
+
+
+def test_a_budget_too_small_names_a_minimum_that_fits():
+    """The error names what streaming every weight holds, copy buffer included: that budget then runs (a third-party
+    probe on magidev got a minimum from the planner without the copy buffer, and a second error for it)."""
+    model = TableStack(n=5).eval()
+    x = torch.randn(3, 64)
+    opts = {"unit_compiler": "eager", "warmup_calls": 2, "device_memory_budget_bytes": 1000}
+    f = compile_tracked(model, options=opts)
+    with torch.no_grad(), pytest.raises(ConfigError, match=r"too small.*at least (\d+)") as info:
+        for _ in range(4):
+            f(x)
+    need = int(re.search(r"at least (\d+)", str(info.value)).group(1))
+    torch._dynamo.reset()
+    g = compile_tracked(model, options={**opts, "device_memory_budget_bytes": need})
+    with torch.no_grad():
+        for _ in range(4):
+            close(g(x), model(x))
+    (rt,) = HANDLES[-1].runtimes
+    assert rt.phase == "planned" and _on_device([rt]) <= need
 
 
 def test_graphs_of_one_model_past_its_budget_say_what_to_do():

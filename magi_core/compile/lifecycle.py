@@ -176,18 +176,39 @@ class OffloadLifecycle:
             new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
             return sum(new.values()) + max(buffer, self._peer_buffer)
 
+        def too_small(cause: ConfigError | None) -> ConfigError:
+            """The error for a limit nothing fits, naming what streaming every weight really holds (its copy
+            buffer included, which the planner's own minimum leaves out)."""
+            try:
+                stream_all = self._plan(profiles, bandwidth_Bps, config.replace(
+                    device_memory_budget_bytes=None, gpu_resident_weight_ratio=0.0), shared)
+                # the planner's peak of weights in flight, or the copy buffer they cycle through where it is larger
+                need: int | None = max(int(stream_all.notes.get("peak_device_bytes", 0)), holds(stream_all))
+            except ConfigError:
+                need = None
+            if need is None and cause is not None:
+                return cause
+            at_least = f"raise it to at least {need} (plus activations)" if need is not None else "raise it"
+            return ConfigError(
+                f"OffloadConfig.device_memory_budget_bytes={self.config.device_memory_budget_bytes} is too small "
+                f"for this graph on {self.executor.device} ({limit} bytes left for it): streaming every weight "
+                f"holds {need} bytes on the device, the units' weights in flight and the copy buffer they cycle "
+                f"through; {at_least}, or split units further with max_unit_bytes"
+                + (f". {self._peer_note}" if self._peer_note else "")
+            )
+
         fits: list[Plan] = []
         # ok: the largest planning budget known to fit or to be too small to plan at all; failed: the smallest
         # whose plan held more than the limit
         budget, ok, failed, extra, used = limit, 0, None, 0, 0
-        too_small: ConfigError | None = None
+        too_small_error: ConfigError | None = None
         for _ in range(_FIT_ROUNDS):
             try:
                 plan = self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=budget), shared)
             except ConfigError as e:
                 if budget >= limit or failed is None:
-                    raise
-                too_small, ok = e, budget  # a shrink went below what streaming needs: bisect back up
+                    raise too_small(e) from e
+                too_small_error, ok = e, budget  # a shrink went below what streaming needs: bisect back up
             else:
                 used = holds(plan)
                 if used <= limit:
@@ -206,19 +227,14 @@ class OffloadLifecycle:
                 break
             logger.info("magi offload: planned for %d bytes, the plan holds %d with its copy buffer (budget %d); "
                         "planning for %d", tried, used, limit, budget)
-        if not fits and too_small is not None and failed is not None:
+        if not fits and too_small_error is not None and failed is not None:
             # the rounds ran out between too small to plan and too large to fit: stream all but what the peers hold
             plan = self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=None,
                                                                       gpu_resident_weight_ratio=0.0), shared)
             if holds(plan) <= limit:
                 fits.append(plan)
         if not fits:
-            raise ConfigError(
-                f"OffloadConfig.device_memory_budget_bytes={self.config.device_memory_budget_bytes} is too small for "
-                f"this graph on {self.executor.device}: its weights on the device take {used} bytes with what fits "
-                f"({limit} bytes left for it); raise the budget, or split units further with max_unit_bytes"
-                + (f". {self._peer_note}" if self._peer_note else "")
-            )
+            raise too_small(None)
         plan = min(fits, key=lambda p: p.predicted_step_ms)
         return plan, self.executor.set_plan(plan)
 
