@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -33,7 +33,7 @@ _HANDLE_ATTR = "_magi_offload_handle"
 
 
 def offload(model: M, config: OffloadConfig | None = None, *, host_options: HostOptions | None = None,
-            **compile_kwargs: Any) -> M:
+            methods: Sequence[str] = (), **compile_kwargs: Any) -> M:
     """Materialise ``model``'s weights in host memory and make its forward run through the offload backend.
 
     Returns the same module (type, parameters and ``state_dict`` unchanged; parameters now live in
@@ -45,12 +45,16 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Host
     :func:`magi_core.host.materialize`; ``compile_kwargs`` (e.g. ``dynamic=False``) to :func:`torch.compile`.
     :func:`handle` gives the model's :class:`~magi_core.compile.handle.OffloadHandle`. Inference only: the
     offloaded forward runs without autograd. A model built on the meta device: use :func:`load`.
+    ``methods``: other methods of the model that callers use instead of ``forward`` and that must run offloaded
+    too, e.g. ``("decode",)`` for a diffusers ``AutoencoderKL`` (pipelines call ``vae.decode``); each compiles
+    to its own graph, on the same host weights and device budget.
     """
-    return _offload(model, config, host_options, compile_kwargs, "offload")
+    return _offload(model, config, host_options, compile_kwargs, "offload", methods=methods)
 
 
 def load(model: M, source: SourceSpec, config: OffloadConfig | None = None, *, strict: bool = True,
-         rename: Rename | None = None, host_options: HostOptions | None = None, **compile_kwargs: Any) -> M:
+         rename: Rename | None = None, host_options: HostOptions | None = None, methods: Sequence[str] = (),
+         **compile_kwargs: Any) -> M:
     """Fill ``model`` (built on the meta device) from ``source`` straight into host memory, then offload it.
 
     ``source``: a safetensors file, a directory of them, a sharded index (``*.safetensors.index.json``, as
@@ -68,13 +72,15 @@ def load(model: M, source: SourceSpec, config: OffloadConfig | None = None, *, s
     rest as for :func:`offload`; returns the same module (its parameters are new ``nn.Parameter`` objects).
     """
     return _offload(model, config, host_options, compile_kwargs, "load",
-                    {"source": source, "strict": strict, "rename": rename})
+                    {"source": source, "strict": strict, "rename": rename}, methods=methods)
 
 
 def _offload(model: M, config: OffloadConfig | None, host_options: HostOptions | None,
-             compile_kwargs: dict[str, Any], entry: str, weights: dict[str, Any] | None = None) -> M:
+             compile_kwargs: dict[str, Any], entry: str, weights: dict[str, Any] | None = None,
+             methods: Sequence[str] = ()) -> M:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{entry}() takes an nn.Module, got {type(model).__name__}")
+    methods = _check_methods(model, methods, entry)  # before any host work
     if isinstance(model.__dict__.get(_HANDLE_ATTR), OffloadHandle) and not model.__dict__[_HANDLE_ATTR].released:
         raise MagiError(f"{type(model).__name__} is already offloaded; magi_core.release(model) it first")
     _check_compile_kwargs(compile_kwargs)  # before any host work
@@ -94,12 +100,14 @@ def _offload(model: M, config: OffloadConfig | None, host_options: HostOptions |
         # per-model entry function that calls ``model._call_impl`` (hooks included), so modules whose forward
         # lives in torch.nn (Sequential, Linear, ...) compile too.
         h.forward = compile_offloaded(model, cfg, name=h.name, handle=h, **compile_kwargs)
+        for name in methods:  # an instance attribute: it shadows the class's method until release(restore=True)
+            h.methods[name] = compile_offloaded(method_entry(model, name), cfg, name=f"{h.name}.{name}", handle=h,
+                                                **compile_kwargs)
         model._compiled_call_impl = h.forward
+        model.__dict__.update(h.methods)
         model.__dict__[_HANDLE_ATTR] = h
     except BaseException:  # nothing may be left behind: host weights restored, ranges and mappings released
-        if model.__dict__.get("_compiled_call_impl") is h.forward:
-            model._compiled_call_impl = None
-        model.__dict__.pop(_HANDLE_ATTR, None)
+        _uninstall(model, h)
         h.release(restore=True)
         raise
     logger.info("magi %s: %s forward runs through magi_offload (%s)", entry, h.name, cfg.to_dict())
@@ -159,6 +167,46 @@ def module_entry(model: nn.Module) -> Callable[..., Any]:
     return entry
 
 
+def method_entry(model: nn.Module, name: str) -> Callable[..., Any]:
+    """A function, with a code object of its own, that calls ``model``'s method ``name`` as the class defines it
+    (what :func:`offload`'s ``methods`` compile; see :func:`module_entry`)."""
+    method = getattr(type(model), name)
+
+    def offloaded_method(*args: Any, **kwargs: Any) -> Any:
+        return method(model, *args, **kwargs)
+
+    code = offloaded_method.__code__.replace(co_name=f"offloaded_{name}_{type(model).__name__}")
+    entry = types.FunctionType(code, offloaded_method.__globals__, code.co_name, None,
+                               offloaded_method.__closure__)
+    entry.__qualname__ = f"{type(model).__qualname__}.offloaded_{name}"
+    return entry
+
+
+def _check_methods(model: nn.Module, methods: Sequence[str], entry: str) -> tuple[str, ...]:
+    """``methods`` as a tuple of method names of ``model``'s class, or a ConfigError saying which is not one."""
+    if isinstance(methods, str):
+        methods = (methods,)
+    names = tuple(methods)
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise ConfigError(f"{entry}(methods=...): {name!r} is not a public method name")
+        if name == "forward":
+            raise ConfigError(f"{entry}(methods=...): forward is always offloaded; list only other methods")
+        if not callable(getattr(type(model), name, None)):
+            raise ConfigError(f"{entry}(methods=...): {type(model).__name__} has no method {name!r}")
+    return names
+
+
+def _uninstall(model: nn.Module, h: OffloadHandle) -> None:
+    """Take what offloading installed on ``model`` away again (the eager forward and methods come back)."""
+    if model.__dict__.get("_compiled_call_impl") is h.forward:
+        model._compiled_call_impl = None
+    for name, fwd in h.methods.items():
+        if model.__dict__.get(name) is fwd:
+            del model.__dict__[name]
+    model.__dict__.pop(_HANDLE_ATTR, None)
+
+
 def _inference_only(message: str, stacklevel: int = 3) -> None:
     """Warn the user (their code is at fault: Python's ``warnings``) and log it."""
     warnings.warn(message, InferenceOnlyWarning, stacklevel=stacklevel)
@@ -202,6 +250,4 @@ def release(model: nn.Module, *, restore: bool = False) -> None:
         return
     h.release(restore=restore)
     if restore:
-        model.__dict__.pop(_HANDLE_ATTR, None)
-        if model.__dict__.get("_compiled_call_impl") is h.forward:
-            model._compiled_call_impl = None
+        _uninstall(model, h)

@@ -233,3 +233,60 @@ def test_a_weight_put_on_the_device_after_offload_is_a_clear_error(how, shm_dir)
                 m(x)
     finally:
         release(m)
+
+
+class _Codec(nn.Module):
+    """A model callers use through another method, as pipelines call a diffusers VAE's ``decode``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+        self.dec = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x)
+
+    def decode(self, z: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor]:
+        return (self.dec(z) * scale,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x))[0]
+
+
+def test_methods_other_than_forward_run_offloaded(shm_dir):
+    torch.manual_seed(0)
+    m = _Codec().eval()
+    ref = _Codec().eval()
+    ref.load_state_dict(m.state_dict())
+    backend = get_backend()
+    offload(m, OffloadConfig(gpu_resident_weight_ratio=0.5), methods=("decode",))
+    try:
+        h = handle(m)
+        assert set(h.methods) == {"decode"} and m.decode is h.methods["decode"]
+        z, x = torch.randn(3, 8), torch.randn(3, 16)
+        with torch.no_grad():
+            for _ in range(4):
+                out = m.decode(z, scale=2.0)[0]
+                assert out.device.type == backend.device_type  # it ran offloaded, not eagerly on the host
+                torch.testing.assert_close(out.cpu(), ref.decode(z, scale=2.0)[0])
+                torch.testing.assert_close(m(x).cpu(), ref(x))
+            if backend.is_accelerator:  # a device input, as a pipeline hands its latents
+                torch.testing.assert_close(m.decode(z.to(backend.device()))[0].cpu(), ref.decode(z)[0])
+            m.encode(x)  # not listed: the class's method, eager (its weights are host tensors)
+        assert len(h.runtimes) >= 2  # forward's graph and decode's
+    finally:
+        release(m, restore=True)
+    assert "decode" not in m.__dict__ and m.decode.__func__ is _Codec.decode
+    with torch.no_grad():
+        torch.testing.assert_close(m.decode(z)[0], ref.decode(z)[0])  # eager again, weights kept
+    assert list(shm_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("methods", [("nope",), ("forward",), ("_private",), ("decode", 3)])
+def test_methods_that_are_not_methods_are_refused_before_any_host_work(methods, shm_dir):
+    m = _Codec().eval()
+    before = registered_ranges()
+    with pytest.raises(ConfigError, match=r"offload\(methods=\.\.\.\)"):
+        offload(m, OffloadConfig(), methods=methods)
+    assert registered_ranges() == before and list(shm_dir.iterdir()) == []
+    assert "_magi_offload_handle" not in m.__dict__

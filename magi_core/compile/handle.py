@@ -75,6 +75,8 @@ class OffloadHandle:
         self.host: HostWeights | None = None
         #: The host-side forward ``offload`` installed on the model.
         self.forward: OffloadedForward | None = None
+        #: The other methods ``offload(..., methods=...)`` installed, by name.
+        self.methods: dict[str, OffloadedForward] = {}
         self.released = False
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
