@@ -290,3 +290,37 @@ def test_methods_that_are_not_methods_are_refused_before_any_host_work(methods, 
         offload(m, OffloadConfig(), methods=methods)
     assert registered_ranges() == before and list(shm_dir.iterdir()) == []
     assert "_magi_offload_handle" not in m.__dict__
+
+
+class _State:
+    """State a caller passes in an object of its own (as transformers' KV cache)."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+class _UsesState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, state: _State) -> torch.Tensor:
+        return self.lin(x) + state.keys
+
+
+def test_device_tensors_inside_an_object_argument_are_a_clear_error(shm_dir):
+    backend = get_backend()
+    if not backend.is_accelerator:
+        pytest.skip("needs a device with its own memory (magidev, CUDA): on the CPU backend the host is the device")
+    m = _UsesState().eval()
+    offload(m, OffloadConfig())
+    try:
+        x = torch.randn(2, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x, _State(torch.ones(2, 16))).cpu(), m.lin(x) + 1)  # host state: fine
+            torch._dynamo.reset()
+            with pytest.raises(MagiError, match=r"device tensors inside _State\.keys reached the compiled forward.*"
+                                                r"use_cache=False"):
+                m(x, _State(torch.ones(2, 16, device=backend.device())))
+    finally:
+        release(m)

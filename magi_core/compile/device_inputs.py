@@ -105,6 +105,38 @@ def replace_device_tensors(
     return value
 
 
+def _device_tensors_in_objects(value: Any, is_device: Callable[[torch.Tensor], bool], depth: int = 3) -> list[str]:
+    """Objects (not tensors, lists, tuples or dicts) among ``value``'s items whose attributes hold device tensors,
+    described as ``Type.attr`` (after a failure: what :func:`replace_device_tensors` cannot reach)."""
+    found: list[str] = []
+
+    def holds(v: Any, d: int) -> bool:
+        if isinstance(v, torch.Tensor):
+            return is_device(v)
+        if d <= 0:
+            return False
+        if isinstance(v, (list, tuple)):
+            return any(holds(x, d - 1) for x in v)
+        if isinstance(v, dict):
+            return any(holds(x, d - 1) for x in v.values())
+        return any(holds(x, d - 1) for x in getattr(v, "__dict__", {}).values())
+
+    def walk(v: Any, d: int) -> None:
+        if isinstance(v, torch.Tensor) or d <= 0:
+            return
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x, d - 1)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x, d - 1)
+        else:
+            found.extend(f"{type(v).__name__}.{k}" for k, x in getattr(v, "__dict__", {}).items() if holds(x, depth))
+
+    walk(value, depth)
+    return found
+
+
 def restore_device_tensors(value: Any, subs: dict[int, torch.Tensor]) -> Any:
     """``value`` with every proxy in ``subs`` (recursively) replaced by its device tensor: pass-through outputs."""
     if isinstance(value, torch.Tensor):
@@ -338,6 +370,16 @@ class OffloadedForward:
                     "the host: assign host tensors (register_buffer(name, t.cpu()), nn.Parameter(t.cpu())), or "
                     "magi_core.release(model, restore=True), change the model and offload it again. The error "
                     f"they caused: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                ) from e
+            held = _device_tensors_in_objects((args, kwargs), is_device) \
+                if isinstance(e, torch._dynamo.exc.TorchDynamoException) else []
+            if held:
+                raise MagiError(
+                    f"{self.model_name}: device tensors inside {', '.join(held[:4])} reached the compiled forward "
+                    "as they are: only tensors passed directly or in lists, tuples and dicts are handed over as host "
+                    "proxies, and the model's weights are on the host. Pass such state on the host, or not at all "
+                    "(transformers' generate with a KV cache: generate(..., use_cache=False)). The error it caused: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 ) from e
             if not is_graph_break(e):
                 raise
