@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -200,6 +202,25 @@ def test_bad_pin_budget_is_a_config_error_and_leaves_nothing(value, shm_dir, mon
     _assert_nothing_left(model, before, shm_dir, x, ref)
 
 
+@contextlib.contextmanager
+def _offloaded(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` (in eval mode) offloaded with the default config, released on the way out."""
+    offload(model.eval(), OffloadConfig())
+    try:
+        yield model
+    finally:
+        release(model)
+
+
+@pytest.fixture
+def accelerator():
+    """The active backend, when its device has memory of its own (magidev, CUDA); skips on the CPU backend."""
+    backend = get_backend()
+    if not backend.is_accelerator:
+        pytest.skip("needs a device with its own memory (magidev, CUDA): on the CPU backend the host is the device")
+    return backend
+
+
 class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -211,28 +232,21 @@ class _Scaled(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["buffer_then_to", "device_parameter"])
-def test_a_weight_put_on_the_device_after_offload_is_a_clear_error(how, shm_dir):
-    backend = get_backend()
-    if not backend.is_accelerator:
-        pytest.skip("needs a device with its own memory (magidev, CUDA): on the CPU backend the host is the device")
-    m = _Scaled().eval()
-    offload(m, OffloadConfig())
-    try:
-        x = torch.randn(2, 16)
-        with torch.no_grad():
+def test_a_weight_put_on_the_device_after_offload_is_a_clear_error(how, shm_dir, accelerator):
+    backend = accelerator
+    x = torch.randn(2, 16)
+    with _offloaded(_Scaled()) as m, torch.no_grad():
+        m(x)
+        if how == "buffer_then_to":  # a buffer added after offload, then pipe.to(device) as users do
+            m.register_buffer("scale", torch.full((16,), 2.0))
+            m.to(backend.device())
+            name = "scale"
+        else:  # an adapter's weight made on the device
+            m.lin.weight = nn.Parameter(torch.ones(16, 16, device=backend.device()))
+            name = "lin.weight"
+        with pytest.raises(MagiError, match=rf"{name} \({backend.device_type}:0\) is on the device.*Keep them on "
+                                            r"the host: assign host tensors"):
             m(x)
-            if how == "buffer_then_to":  # a buffer added after offload, then pipe.to(device) as users do
-                m.register_buffer("scale", torch.full((16,), 2.0))
-                m.to(backend.device())
-                name = "scale"
-            else:  # an adapter's weight made on the device
-                m.lin.weight = nn.Parameter(torch.ones(16, 16, device=backend.device()))
-                name = "lin.weight"
-            with pytest.raises(MagiError, match=rf"{name} \({backend.device_type}:0\) is on the device.*Keep them on "
-                                                r"the host: assign host tensors"):
-                m(x)
-    finally:
-        release(m)
 
 
 class _Codec(nn.Module):
@@ -308,19 +322,12 @@ class _UsesState(nn.Module):
         return self.lin(x) + state.keys
 
 
-def test_device_tensors_inside_an_object_argument_are_a_clear_error(shm_dir):
-    backend = get_backend()
-    if not backend.is_accelerator:
-        pytest.skip("needs a device with its own memory (magidev, CUDA): on the CPU backend the host is the device")
-    m = _UsesState().eval()
-    offload(m, OffloadConfig())
-    try:
-        x = torch.randn(2, 16)
-        with torch.no_grad():
-            torch.testing.assert_close(m(x, _State(torch.ones(2, 16))).cpu(), m.lin(x) + 1)  # host state: fine
-            torch._dynamo.reset()
-            with pytest.raises(MagiError, match=r"device tensors inside _State\.keys reached the compiled forward.*"
-                                                r"use_cache=False"):
-                m(x, _State(torch.ones(2, 16, device=backend.device())))
-    finally:
-        release(m)
+def test_device_tensors_inside_an_object_argument_are_a_clear_error(shm_dir, accelerator):
+    backend = accelerator
+    x = torch.randn(2, 16)
+    with _offloaded(_UsesState()) as m, torch.no_grad():
+        torch.testing.assert_close(m(x, _State(torch.ones(2, 16))).cpu(), m.lin(x) + 1)  # host state: fine
+        torch._dynamo.reset()
+        with pytest.raises(MagiError, match=r"device tensors inside _State\.keys reached the compiled forward.*"
+                                            r"use_cache=False"):
+            m(x, _State(torch.ones(2, 16, device=backend.device())))
