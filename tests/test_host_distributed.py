@@ -93,6 +93,17 @@ def test_ep1_sparse_difference_found_by_full_check(shm_dir: str, tmp_path: Path)
     assert set(recs[0]["inodes"]) < set(recs[1]["inodes"])  # the node's files, and rank 1's own for its embedding
 
 
+def test_a_problem_of_one_ranks_model_raises_on_every_rank(shm_dir: str, tmp_path: Path) -> None:
+    """Rank 0's model holds a meta tensor: rank 0 raises its HostStateError and rank 1 one naming rank 0, at once
+    (before: rank 1 waited in the first gather until the process group's timeout), nothing left behind."""
+    recs = _run(2, ["--scenario", "meta"], shm_dir, tmp_path)
+    assert [r["error"] for r in recs] == ["HostStateError", "HostStateError"], [r.get("message") for r in recs]
+    assert "meta" in recs[0]["message"] and "rank 0: HostStateError" in recs[1]["message"]
+    for r in recs:
+        assert r["values_unchanged_after_error"] and r["files_after_error"] == [] and r["registered_after_error"] == 0
+        assert r["dir_after"] == [] and r["registered_after_release"] == 0
+
+
 def test_ep1_sampled_check_alone_misses_a_sparse_difference(shm_dir: str, tmp_path: Path) -> None:
     """verify_shared='sampled' (the old check, kept as an opt-out): the same run shares silently and rank 1
     computes with rank 0's embedding. This is why 'full' is the default."""

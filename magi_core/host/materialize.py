@@ -452,20 +452,24 @@ class _Materializer:
                 loader.resolve_buffers(self.model)
             except (MagiError, OSError) as exc:
                 local_err = exc
+        # a problem of this rank's model (a meta tensor, a sparse one, weights another model holds): every rank
+        # raises after the first gather below, so no rank waits in it for one that left
+        state_err: MagiError | None = None
+        entries: list[Entry] = []
         try:
             entries = collect(self.model, allow_meta=loader is not None)
+            for e in entries:
+                if id(e.tensor) in _owned:
+                    raise HostStateError(f"{e.names[0]} already lives in host memory materialised for another "
+                                         "module; materialise the outer model once")
+        except MagiError as exc:
+            state_err, entries = exc, []
         except BaseException:
             if loader is not None:
                 loader.undo()
             raise
-        for e in entries:
-            if id(e.tensor) in _owned:
-                if loader is not None:
-                    loader.undo()
-                raise HostStateError(f"{e.names[0]} already lives in host memory materialised for another module; "
-                                     "materialise the outer model once")
         slots = group(entries)
-        if loader is not None and local_err is None:
+        if loader is not None and local_err is None and state_err is None:
             loader.set_window(sum(s.nbytes for s in slots), opts.staging_bytes)
             loader.match(slots, entries)
             text = loader.problems()
@@ -483,7 +487,7 @@ class _Materializer:
         world = self.coord.world_size
         info = {
             "key": node_key(opts.shm_dir) if not opts.skip_shm and dir_err is None else None,
-            "dir_err": _status(dir_err), "err": _status(local_err),
+            "dir_err": _status(dir_err), "err": _status(local_err), "state_err": _status(state_err),
             "owner": shm.Owner.current(), "skip": bool(opts.skip_shm),
             "slots": [(s.signature(), self._claim(s, world), s.nbytes) for s in slots] if local_err is None else [],
             "names": [" = ".join(e.names[0] for e in s.entries) for s in slots] if world > 1 else [],
@@ -494,6 +498,7 @@ class _Materializer:
         }
         infos = self.coord.all_gather(info)
         undo = loader.undo if loader is not None else None
+        self._fail_all([i["state_err"] for i in infos], state_err, undo, cls=HostStateError)
         self._fail_all([i["dir_err"] for i in infos], dir_err, undo, cls=ConfigError)
         self._fail_all([i["err"] for i in infos], local_err, undo, cls=WeightSourceError)
         try:

@@ -80,6 +80,8 @@ def _read_text(path: str) -> str:
 
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's values (all of them)."""
+    if t.device.type == "meta":  # no bytes to digest
+        return f"meta{tuple(t.shape)}"
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
@@ -197,7 +199,9 @@ def main() -> None:
                        verify_shared=args.verify,
                        on_mismatch="error" if args.scenario in ("mismatch", "sparse") else "copy")
     hw = None
-    if args.scenario in ("mismatch", "sparse", "tamper"):
+    if args.scenario == "meta" and rank == 0:  # a tensor this rank cannot hold (left on the meta device)
+        model.register_buffer("ghost", torch.empty(4, device="meta"))
+    if args.scenario in ("mismatch", "sparse", "tamper", "meta"):
         ptr_before = model.experts.data_ptr()
         state_before = {k: digest(v) for k, v in model.state_dict().items()}
         real_open = shm.open_existing
@@ -219,6 +223,8 @@ def main() -> None:
         rec["files_after_error"] = sorted(os.listdir(shm_dir))
         dist.barrier()
         opts = HostOptions(on_mismatch="copy", progress=False)
+        if "ghost" in model._buffers:
+            del model._buffers["ghost"]
     if hw is None:
         hw = materialize(model, options=opts, on_progress=on_progress,
                          backend=privatising_backend() if args.privatising_pin else None)
