@@ -104,6 +104,17 @@ def test_a_problem_of_one_ranks_model_raises_on_every_rank(shm_dir: str, tmp_pat
         assert r["dir_after"] == [] and r["registered_after_release"] == 0
 
 
+def test_ranks_call_their_models_independently(shm_dir: str, tmp_path: Path) -> None:
+    """Rank 0 calls its offloaded model seven times with two shapes (planning both), rank 1 twice: neither waits
+    for the other inside a call (before: planning broadcast rank 0's timings and rank 0's link rate, so rank 0's
+    third call waited for rank 1's, which never came, until the process group's timeout)."""
+    proc = torchrun(2, [], shm_dir, tmp_path, timeout=150, worker="calls_worker.py")
+    assert_ok(proc, tmp_path)
+    recs = results(tmp_path, 2)
+    assert [r["calls"] for r in recs] == [7, 2] and all(r["max_abs_diff"] <= 1e-6 for r in recs), recs
+    assert recs[0]["phases"] == ["planned", "planned"] and recs[1]["phases"] == ["profile"]
+
+
 def test_ep1_sampled_check_alone_misses_a_sparse_difference(shm_dir: str, tmp_path: Path) -> None:
     """verify_shared='sampled' (the old check, kept as an opt-out): the same run shares silently and rank 1
     computes with rank 0's embedding. This is why 'full' is the default."""
@@ -137,6 +148,12 @@ def test_ep1_write_on_one_rank_never_reaches_another(mode: str, shm_dir: str, tm
         assert recs[0]["mappings"] == recs[1]["mappings"] == ["read_only"]
         assert recs[0]["param_write_child"] == recs[0]["buffer_write_child"] == -signal.SIGSEGV
         assert recs[0]["bias_delta"] == 0.0 and recs[0]["router_delta"] == 0.0
+        # each rank was told with the way to edit weights that works: the workers configure no logging, so
+        # only records of WARNING and above reach their output (Python's last-resort handler)
+        logs = "".join(p.read_text() for p in (tmp_path / "torchrun-logs").rglob("*.log"))
+        told = [line for line in logs.splitlines() if "are read-only: an in-place write" in line]
+        assert len(told) == 2 and all("shared_writes='copy_on_write'" in line and "MAGI_EP_SIZE" not in line
+                                      for line in told), told
     else:
         assert recs[0]["mappings"] == recs[1]["mappings"] == ["copy_on_write"]
         assert recs[0]["bias_delta"] == pytest.approx(100.0, rel=1e-5)  # rank 0 sees its own writes

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 
 import magi_core
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
+from magi_core.plugin.manager import get_backend
 
 SPEC = TransformerSpec(layers=3, hidden=32, heads=2)
 THREADS = 8
@@ -94,3 +97,27 @@ def test_threads_with_two_input_shapes_plan_one_at_a_time_within_the_ratio(shm_d
         assert held and sum(held.values()) <= 0.5 * weights
     finally:
         magi_core.release(model)
+
+
+def test_profiling_ranges_stay_balanced_while_another_thread_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compiler.is_compiling() is one flag for the process: another thread's compile set it between a push
+    and its pop, so the pop was skipped (a threaded probe on magidev: "magi_range_pop: no range is open")."""
+    opened: list[str] = []
+    backend = dataclasses.replace(get_backend(), _range_push=opened.append, _range_pop=lambda: opened.pop())
+    backend.range_push("outer")
+    backend.range_push("inner")
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # another thread starts compiling
+    backend.range_pop()
+    assert opened == ["outer"]
+    backend.range_push("inner again")
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)  # and is done
+    backend.range_pop()
+    backend.range_pop()
+    assert opened == []
+    compiled = torch.compile(lambda x: _ranged(backend, x), backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0)) and opened == []  # traced: no-ops
+
+
+def _ranged(backend: Any, x: torch.Tensor) -> torch.Tensor:
+    with backend.range("compiled"):
+        return x * 2

@@ -3,8 +3,11 @@
 With ``warmup_calls = w`` (config): calls ``1 .. w-1`` run a simple look-ahead plan (BASE, nothing
 resident); call ``w`` runs the same plan while a unit timer records each unit's compute on the compute
 stream (events only, no barrier per unit); call ``w + 1`` reads the timings, measures the host-to-device
-bandwidth (once per process, cached; rank 0's figure under torch.distributed) and installs the policy's
-static plan, which every later call follows. ``w = 0`` plans on the first call from weight sizes alone.
+bandwidth (once per process, cached: this rank's own link) and installs the policy's static plan, which
+every later call follows. ``w = 0`` plans on the first call from weight sizes alone. A call is no collective:
+under torch.distributed each rank plans from its own timings and link, whenever its own calls get there (ranks
+may call their models a different number of times, with other shapes), except a runtime whose weights are
+exchanged across the node's ranks, which must install one plan on every rank and agrees on rank 0's timings.
 
 Runtimes of one model (one per input shape, one per graph of a forward with graph breaks) share its device
 budget (:meth:`OffloadLifecycle._share_with_peers`): weights another runtime keeps resident stay resident here
@@ -47,12 +50,15 @@ _bw_cache: dict[tuple[str, int], float] = {}
 
 
 def cached_bandwidth(backend: Backend, device: torch.device, config: OffloadConfig) -> float:
-    """Host-to-device bandwidth in bytes/s, measured once per process and device (broadcast from rank 0)."""
+    """Host-to-device bandwidth in bytes/s, measured once per process and device (this rank's own)."""
     nbytes = config.probe_bytes(backend.is_accelerator)
     key = (str(device), nbytes)
     with _bw_lock:
         if key not in _bw_cache:
-            _bw_cache[key] = float(measure_h2d_bandwidth(nbytes=nbytes, backend=backend, device=device))
+            # this rank's own link, no collective: a model call must not wait for other ranks (which may call
+            # their models a different number of times, or not at all); an exchange agrees on its own rate
+            _bw_cache[key] = float(measure_h2d_bandwidth(nbytes=nbytes, backend=backend, device=device,
+                                                         broadcast=False))
             logger.info("magi offload: host-to-device bandwidth %.2f GB/s (%d B probe)", _bw_cache[key] / 1e9, nbytes)
         return _bw_cache[key]
 
@@ -137,7 +143,9 @@ class OffloadLifecycle:
     def _install_static_plan(self, args: Sequence[Any]) -> None:
         compute_ms = None
         if self._timer is not None:
-            compute_ms = broadcast_profiles([float(x) for x in self._timer.elapsed_ms()])
+            compute_ms = [float(x) for x in self._timer.elapsed_ms()]
+            if getattr(self.executor.transfer, "collective", False):  # the exchange: one plan on every rank
+                compute_ms = broadcast_profiles(compute_ms)
             self._timer = None
         self.profiles = unit_profiles(self.executor.units, compute_ms, self.executor.transfer.nbytes)
         self.bandwidth_Bps = self.executor.transfer.rate(self._bandwidth())

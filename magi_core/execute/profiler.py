@@ -1,8 +1,9 @@
 """Device-side measurements for planning: per-unit compute times and host-to-device bandwidth.
 
 Device access goes through the backend facade only (``get_backend()``): its device module's events and
-streams, and ``host_register`` / ``host_unregister`` for the pinned probe buffer. Under an initialised
-``torch.distributed`` process group, rank 0's figures are broadcast so every rank plans the same schedule.
+streams, and ``host_register`` / ``host_unregister`` for the pinned probe buffer. :func:`broadcast_profiles`
+and :func:`broadcast_value` give rank 0's figures to every rank, for plans that must be the same on every rank
+(the weight exchange); a model call plans from this rank's own figures otherwise.
 """
 
 from __future__ import annotations

@@ -1058,10 +1058,14 @@ class _Materializer:
                     faulthandler.enable()
                 except (RuntimeError, ValueError, OSError):  # stderr without a file descriptor
                     pass
-            logger.info("rank %d: host weights shared with ranks %s are read-only: an in-place write to them "
-                        "(param.add_, load_state_dict, a buffer update) kills this process with SIGSEGV. To edit "
-                        "them, use HostOptions(shared_writes='copy_on_write') or one file per rank "
-                        "(MAGI_EP_SIZE)", self.rank, list(shared[0].shared_by))
+            global _told_read_only
+            # a warning once per process: the write it warns of kills the process, with nothing else to explain it
+            log = logger.info if _told_read_only else logger.warning
+            _told_read_only = True
+            log("rank %d: host weights shared with ranks %s are read-only: an in-place write to them "
+                "(param.add_, load_state_dict, a buffer update) kills this process with SIGSEGV. To edit weights "
+                "after offload, offload with HostOptions(shared_writes='copy_on_write') (an edit then stays this "
+                "rank's own), or edit them before offloading", self.rank, list(shared[0].shared_by))
 
     def _pin(self, hw: HostWeights, topo: Topology, infos: list[dict[str, Any]]) -> None:
         opts = self.opts
@@ -1136,6 +1140,10 @@ def _extents(slots: list[Slot], arena: str, start: int = 0) -> list[tuple[int, i
     """The sorted (start, end) byte offsets, counted from ``start``, of the slots of ``arena`` from there on."""
     return sorted((s.offset - start, s.offset + s.nbytes - start) for s in slots
                   if s.arena == arena and s.offset >= start)
+
+
+#: Whether this process was told (at WARNING) that shared host weights are read-only.
+_told_read_only = False
 
 
 def _status(err: BaseException | None) -> str | None:

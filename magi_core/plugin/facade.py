@@ -168,14 +168,17 @@ class Backend:
         """The host ranges registered through magi-core in this process (a copy must not cross their bounds)."""
         return REGISTERED
 
+    # is_dynamo_compiling, not is_compiling: the latter is one flag for the process, set while any thread
+    # compiles, so another thread's compile could fall between a push and its pop here and unbalance them; the
+    # former is False outside Dynamo's tracing, whatever other threads do, and True (constant) inside it
     def range_push(self, name: str) -> None:
-        """Open a profiling range; a no-op without profiler support or while compiling."""
-        if self._range_push is not None and not torch.compiler.is_compiling():
+        """Open a profiling range; a no-op without profiler support or inside code Dynamo traces."""
+        if self._range_push is not None and not torch.compiler.is_dynamo_compiling():
             self._range_push(name)
 
     def range_pop(self) -> None:
-        """Close the innermost profiling range; a no-op without profiler support or while compiling."""
-        if self._range_pop is not None and not torch.compiler.is_compiling():
+        """Close the innermost profiling range; a no-op without profiler support or inside code Dynamo traces."""
+        if self._range_pop is not None and not torch.compiler.is_dynamo_compiling():
             self._range_pop()
 
     def range_fns(self) -> tuple[Callable[[str], Any], Callable[[], Any]]:

@@ -51,12 +51,12 @@ def child_env(shm_dir: str, **extra: str) -> dict[str, str]:
 
 
 def torchrun(nproc: int, args: list[str], shm_dir: str, out: Path, timeout: float = 240,
-             **env: str) -> subprocess.CompletedProcess[str]:
-    """Run tests/host_workers/materialize_worker.py under torchrun (gloo); each rank's output goes to its own
-    files under ``<out>/torchrun-logs`` (see :func:`failure_report`)."""
+             worker: str = "materialize_worker.py", **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/host_workers/<worker>`` under torchrun (gloo); each rank's output goes to its own files under
+    ``<out>/torchrun-logs`` (see :func:`failure_report`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "--log-dir", str(out / LOG_DIR), "--redirects", "3",
-           str(WORKERS / "materialize_worker.py"), "--out", str(out), *args]
+           str(WORKERS / worker), "--out", str(out), *args]
     try:
         return subprocess.run(cmd, env=child_env(shm_dir, **env), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:

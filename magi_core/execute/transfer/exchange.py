@@ -55,6 +55,8 @@ class ExchangeTransfer(UnitTransfer):
 
     #: Its shards are planned for its own buffer with the other ranks: not shared with other runtimes.
     shareable = False
+    #: Every rank must install the same plan: planning agrees on the unit timings across the ranks.
+    collective = True
 
     def __init__(self, backend: Backend, device: torch.device, group: Any, meta_group: Any,
                  identity: Identity) -> None:
@@ -105,6 +107,9 @@ class ExchangeTransfer(UnitTransfer):
 
     def rate(self, measured_Bps: float) -> float:
         """The slowest rank's rate of exchanging a place of the probe's size (what every rank plans with)."""
+        agreed = torch.tensor([float(measured_Bps)], dtype=torch.float64)  # each rank measured its own link
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.meta_group)
+        measured_Bps = float(agreed.item())  # one probe size on every rank (the all-gather needs equal shards)
         nbytes = max(self.world * WEIGHT_ALIGNMENT, int(min(measured_Bps * 0.02, 1 << 30)))
         nbytes = -(-nbytes // (self.world * WEIGHT_ALIGNMENT)) * (self.world * WEIGHT_ALIGNMENT)
         host = torch.empty(nbytes // self.world, dtype=torch.uint8)
