@@ -188,7 +188,7 @@ def main() -> None:
             "streamed_bytes": streamed, "resident_bytes": rt.executor.actions.resident_bytes,
             # the issue's ideal: this rank's streamed bytes at its own rate with every rank copying, or its compute
             "link_GBps": link / 1e9, "compute_ms": compute_ms, "ideal_ms": ideal_ms, "x_ideal": step * 1e3 / ideal_ms,
-            # the planning probe's rate (rank 0's, measured at the first call)
+            # the planning probe's rate (this rank's own, measured when it planned)
             "planning_link_GBps": rt.bandwidth_Bps / 1e9, "x_planning_ideal": step / (streamed / rt.bandwidth_Bps),
             "finite": bool(torch.isfinite(out).all()),
             "load": host.report.get("load"), "node_bytes": host.report.get("node_bytes"),
