@@ -209,6 +209,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                ptrs[k] = h.data_ptr()\n",
         (("core", ("tests/test_weight_updates.py",)),),
     ),
+    Mutation(
+        "p", "planning: the bandwidth probe is broadcast from rank 0 again, so a rank's model call waits for the "
+        "other ranks' (a hang when ranks call their models a different number of times)",
+        "magi_core/compile/lifecycle.py",
+        "                                                         broadcast=False))\n",
+        "                                                         broadcast=True))\n",
+        (("core", ("tests/test_host_distributed.py::test_ranks_call_their_models_independently",)),),
+    ),
+    Mutation(
+        "q", "materialize: a problem of one rank's model is raised on that rank at once, before the first gather, "
+        "so the other ranks wait in it until the process group's timeout",
+        "magi_core/host/materialize.py",
+        "        except MagiError as exc:\n            state_err, entries = exc, []\n",
+        "        except MagiError:\n            raise\n",
+        (("core", ("tests/test_host_distributed.py::test_a_problem_of_one_ranks_model_raises_on_every_rank",)),),
+    ),
 )
 
 
