@@ -160,10 +160,15 @@ def module_entry(model: nn.Module) -> Callable[..., Any]:
     def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
         return model._call_impl(*args, **kwargs)
 
-    code = offloaded_forward.__code__.replace(co_name=f"offloaded_forward_{type(model).__name__}")
-    entry = types.FunctionType(code, offloaded_forward.__globals__, code.co_name, None,
-                               offloaded_forward.__closure__)
-    entry.__qualname__ = f"{type(model).__qualname__}.offloaded_forward"
+    return _with_own_code(offloaded_forward, model, "offloaded_forward")
+
+
+def _with_own_code(fn: Callable[..., Any], model: nn.Module, label: str) -> Callable[..., Any]:
+    """``fn`` (a closure) with a code object of its own, named ``<label>_<model class>``: Dynamo's caches, guards
+    and recompile limit are per code object, so each model gets its own."""
+    code = fn.__code__.replace(co_name=f"{label}_{type(model).__name__}")
+    entry = types.FunctionType(code, fn.__globals__, code.co_name, None, fn.__closure__)
+    entry.__qualname__ = f"{type(model).__qualname__}.{label}"
     return entry
 
 
@@ -175,11 +180,7 @@ def method_entry(model: nn.Module, name: str) -> Callable[..., Any]:
     def offloaded_method(*args: Any, **kwargs: Any) -> Any:
         return method(model, *args, **kwargs)
 
-    code = offloaded_method.__code__.replace(co_name=f"offloaded_{name}_{type(model).__name__}")
-    entry = types.FunctionType(code, offloaded_method.__globals__, code.co_name, None,
-                               offloaded_method.__closure__)
-    entry.__qualname__ = f"{type(model).__qualname__}.offloaded_{name}"
-    return entry
+    return _with_own_code(offloaded_method, model, f"offloaded_{name}")
 
 
 def _check_methods(model: nn.Module, methods: Sequence[str], entry: str) -> tuple[str, ...]:

@@ -105,35 +105,29 @@ def replace_device_tensors(
     return value
 
 
-def _device_tensors_in_objects(value: Any, is_device: Callable[[torch.Tensor], bool], depth: int = 3) -> list[str]:
-    """Objects (not tensors, lists, tuples or dicts) among ``value``'s items whose attributes hold device tensors,
-    described as ``Type.attr`` (after a failure: what :func:`replace_device_tensors` cannot reach)."""
+def _device_tensors_in_objects(value: Any, is_device: Callable[[torch.Tensor], bool], depth: int = 6) -> list[str]:
+    """``Type.attr`` of the objects (not tensors, lists, tuples or dicts) within ``value`` whose attribute holds a
+    device tensor, at most ``depth`` levels down (after a failure: what :func:`replace_device_tensors` cannot
+    reach)."""
     found: list[str] = []
 
-    def holds(v: Any, d: int) -> bool:
+    def visit(v: Any, d: int, where: str | None) -> None:  # where: the object attribute ``v`` lies in, if any
         if isinstance(v, torch.Tensor):
-            return is_device(v)
+            if where is not None and where not in found and is_device(v):
+                found.append(where)
+            return
         if d <= 0:
-            return False
-        if isinstance(v, (list, tuple)):
-            return any(holds(x, d - 1) for x in v)
-        if isinstance(v, dict):
-            return any(holds(x, d - 1) for x in v.values())
-        return any(holds(x, d - 1) for x in getattr(v, "__dict__", {}).values())
-
-    def walk(v: Any, d: int) -> None:
-        if isinstance(v, torch.Tensor) or d <= 0:
             return
         if isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x, d - 1)
+            items = [(x, where) for x in v]
         elif isinstance(v, dict):
-            for x in v.values():
-                walk(x, d - 1)
+            items = [(x, where) for x in v.values()]
         else:
-            found.extend(f"{type(v).__name__}.{k}" for k, x in getattr(v, "__dict__", {}).items() if holds(x, depth))
+            items = [(x, where or f"{type(v).__name__}.{k}") for k, x in getattr(v, "__dict__", {}).items()]
+        for x, w in items:
+            visit(x, d - 1, w)
 
-    walk(value, depth)
+    visit(value, depth, None)
     return found
 
 
@@ -360,36 +354,36 @@ class OffloadedForward:
                 raise inner from None  # magi's own answer (the backend raised it), not Dynamo's wrapper
             if isinstance(e, MagiError):
                 raise
-            off_host = self._weights_off_host() if isinstance(e, torch._dynamo.exc.TorchDynamoException) else []
-            if off_host:
-                names = ", ".join(off_host[:8]) + (" and more" if len(off_host) > 8 else "")
-                raise MagiError(
-                    f"{self.model_name}: {names} {'is' if len(off_host) == 1 else 'are'} on the device, but an "
-                    "offloaded model keeps its weights and buffers on the host and streams them (model.to(device) "
-                    "leaves the offloaded ones there and moves only tensors added after offload). Keep them on "
-                    "the host: assign host tensors (register_buffer(name, t.cpu()), nn.Parameter(t.cpu())), or "
-                    "magi_core.release(model, restore=True), change the model and offload it again. The error "
-                    f"they caused: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                ) from e
-            held = _device_tensors_in_objects((args, kwargs), is_device) \
-                if isinstance(e, torch._dynamo.exc.TorchDynamoException) else []
-            if held:
-                raise MagiError(
-                    f"{self.model_name}: device tensors inside {', '.join(held[:4])} reached the compiled forward "
-                    "as they are: only tensors passed directly or in lists, tuples and dicts are handed over as host "
-                    "proxies, and the model's weights are on the host. Pass such state on the host, or not at all "
-                    "(transformers' generate with a KV cache: generate(..., use_cache=False)). The error it caused: "
-                    f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                ) from e
+            if isinstance(e, torch._dynamo.exc.TorchDynamoException):
+                explained = self._device_state_error(e, (args, kwargs))
+                if explained is not None:
+                    raise explained from e
             if not is_graph_break(e):
                 raise
             raise graph_break_error(e, self.model_name) from e
 
-    def _weights_off_host(self) -> list[str]:
-        """Names of the offloaded model's parameters and buffers that are not on the host (after a failure)."""
+    def _device_state_error(self, e: Exception, inputs: Any) -> MagiError | None:
+        """Dynamo failed: the error saying so when device tensors met the host weights where no proxy stands in
+        for them (the model's own parameters or buffers, or an input object's attributes), else None."""
+        caused = f"The error they caused: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         host = self.handle.host if self.handle is not None else None
         model = host.model if host is not None else None
-        if model is None:
-            return []
-        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-        return [f"{name} ({t.device})" for name, t in named if t.device.type != "cpu"]
+        named = ([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+                 if model is not None else [])
+        off_host = [f"{name} ({t.device})" for name, t in named if t.device.type != "cpu"]
+        if off_host:
+            names = ", ".join(off_host[:8]) + (" and more" if len(off_host) > 8 else "")
+            return MagiError(
+                f"{self.model_name}: {names} {'is' if len(off_host) == 1 else 'are'} on the device, but an "
+                "offloaded model keeps its weights and buffers on the host and streams them (model.to(device) "
+                "leaves the offloaded ones there and moves only tensors added after offload). Keep them on the "
+                "host: assign host tensors (register_buffer(name, t.cpu()), nn.Parameter(t.cpu())), or "
+                f"magi_core.release(model, restore=True), change the model and offload it again. {caused}")
+        held = _device_tensors_in_objects(inputs, self.is_device)
+        if held:
+            return MagiError(
+                f"{self.model_name}: device tensors inside {', '.join(held[:4])} reached the compiled forward as "
+                "they are: only tensors passed directly or in lists, tuples and dicts are handed over as host "
+                "proxies, and the model's weights are on the host. Pass such state on the host, or not at all "
+                f"(transformers' generate with a KV cache: generate(..., use_cache=False)). {caused}")
+        return None

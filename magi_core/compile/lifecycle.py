@@ -184,25 +184,26 @@ class OffloadLifecycle:
             new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
             return sum(new.values()) + max(buffer, self._peer_buffer)
 
+        def stream_all() -> Plan:
+            """The plan that keeps nothing resident but what the peers hold (no budget)."""
+            return self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=None,
+                                                                      gpu_resident_weight_ratio=0.0), shared)
+
         def too_small(cause: ConfigError | None) -> ConfigError:
             """The error for a limit nothing fits, naming what streaming every weight really holds (its copy
             buffer included, which the planner's own minimum leaves out)."""
             try:
-                stream_all = self._plan(profiles, bandwidth_Bps, config.replace(
-                    device_memory_budget_bytes=None, gpu_resident_weight_ratio=0.0), shared)
-                # the planner's peak of weights in flight, or the copy buffer they cycle through where it is larger
-                need: int | None = max(int(stream_all.notes.get("peak_device_bytes", 0)), holds(stream_all))
-            except ConfigError:
-                need = None
-            if need is None and cause is not None:
-                return cause
-            at_least = f"raise it to at least {need} (plus activations)" if need is not None else "raise it"
+                plan = stream_all()
+            except ConfigError as e:  # not even streaming plans: the planner's own reason
+                return cause or e
+            # the planner's peak of weights in flight, or the copy buffer they cycle through where larger
+            need = max(int(plan.notes.get("peak_device_bytes", 0)), holds(plan))
             return ConfigError(
                 f"OffloadConfig.device_memory_budget_bytes={self.config.device_memory_budget_bytes} is too small "
                 f"for this graph on {self.executor.device} ({limit} bytes left for it): streaming every weight "
                 f"holds {need} bytes on the device, the units' weights in flight and the copy buffer they cycle "
-                f"through; {at_least}, or split units further with max_unit_bytes"
-                + (f". {self._peer_note}" if self._peer_note else "")
+                f"through; raise it to at least {need} (plus activations), or split units further with "
+                "max_unit_bytes" + (f". {self._peer_note}" if self._peer_note else "")
             )
 
         fits: list[Plan] = []
@@ -237,8 +238,7 @@ class OffloadLifecycle:
                         "planning for %d", tried, used, limit, budget)
         if not fits and too_small_error is not None and failed is not None:
             # the rounds ran out between too small to plan and too large to fit: stream all but what the peers hold
-            plan = self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=None,
-                                                                      gpu_resident_weight_ratio=0.0), shared)
+            plan = stream_all()
             if holds(plan) <= limit:
                 fits.append(plan)
         if not fits:

@@ -57,25 +57,16 @@ def _host_tensor(n: int = 4096, seed: float = 0.0) -> torch.Tensor:
 
 def _register(backend: Backend, ptr: int, nbytes: int, case: str = "a plain host tensor's range") -> None:
     """Register ``[ptr, ptr + nbytes)``, failing with the hook's name when the backend raises."""
-    try:
-        backend.host_register(ptr, nbytes)
-        return
-    except Exception as exc:
-        raised = f"{type(exc).__name__}: {exc}"
-    # failed outside the handler: the report is this one line, not the backend's traceback chained to it
-    pytest.fail(f"magi_host_register: registering {case} raised {raised}; an ordinary host range must pin in place "
-                "(magi_core.plugin.HostRangeTable over the runtime's register call)", pytrace=False)
+    _must_accept("magi_host_register", f"registering {case}", lambda: backend.host_register(ptr, nbytes),
+                 "an ordinary host range must pin in place (magi_core.plugin.HostRangeTable over the runtime's "
+                 "register call)")
 
 
 def _unregister(backend: Backend, ptr: int, case: str = "a range it had registered") -> None:
     """Unregister the range starting at ``ptr``, failing with the hook's name when the backend raises."""
-    try:
-        backend.host_unregister(ptr)
-        return
-    except Exception as exc:
-        raised = f"{type(exc).__name__}: {exc}"
-    pytest.fail(f"magi_host_unregister: unregistering {case} raised {raised}; unregister what magi_host_register "
-                "registered (magi_core.plugin.HostRangeTable keeps that record)", pytrace=False)
+    _must_accept("magi_host_unregister", f"unregistering {case}", lambda: backend.host_unregister(ptr),
+                 "unregister what magi_host_register registered (magi_core.plugin.HostRangeTable keeps that "
+                 "record)")
 
 
 def _must_refuse(hook: str, case: str, call: Callable[[], object]) -> None:
