@@ -42,6 +42,9 @@ ENV_PREFIX = OFFLOAD_PREFIX
 #: Bandwidth probe size when ``bandwidth_probe_bytes`` is None: 1 GiB on accelerators, 16 MiB on the host.
 DEFAULT_PROBE_BYTES_ACCELERATOR = GIB
 DEFAULT_PROBE_BYTES_CPU = 16 * MIB
+#: Device memory the fit-the-card budget leaves free besides the measured activation peak: what the
+#: allocator's fragmentation, the runtime's workspaces and kernels' scratch memory take.
+DEVICE_RESERVE_BYTES = GIB // 2
 #: Values of ``OffloadConfig.unit_compiler``.
 UNIT_COMPILERS = ("auto", "inductor", "eager")
 #: How streamed weights are copied: "auto" (by backend kind), one copy per unit into a planned device buffer,
@@ -84,11 +87,18 @@ class OffloadConfig:
 
     ``policy``: BASE (look-ahead prefetch), COST_EFFECTIVE (keep the least-compute-per-byte units resident)
     or HEURISTIC (latest copy triggers from profiled times; residency where it removes the most stall),
-    or the name of a plugin policy; any case. ``gpu_resident_weight_ratio`` in [0, 1]: at most this share of
-    all weight bytes stays resident on the device (at 1, with no ``max_unit_bytes``, nothing streams and the
-    graph is compiled whole, as one unit). ``device_memory_budget_bytes``: the alternative to the
-    ratio (set one of the two): the scheduler keeps as many weights resident as fit while resident weights
-    plus the predicted streamed working set stay within this many bytes (activations not included).
+    or the name of a plugin policy; any case. With neither ``gpu_resident_weight_ratio`` nor
+    ``device_memory_budget_bytes`` set (the default) the plan fits the card: the fastest plan within what the
+    device can spare when planning (free memory less the activation peak measured in warm-up and a reserve,
+    :data:`DEVICE_RESERVE_BYTES`), holding the least memory that step needs; on a backend that cannot say how
+    much memory its device has (the host backend) every weight streams. ``gpu_resident_weight_ratio`` in [0, 1]:
+    at most this share of all weight bytes stays resident on the device (at 1, with no ``max_unit_bytes``,
+    nothing streams and the graph is compiled whole, as one unit); a ratio whose plan does not fit what the
+    device can spare degrades to the fastest plan that fits, with a warning. ``device_memory_budget_bytes``: the
+    alternative to the ratio (set one of the two): bytes (an int, or a size such as ``"12GiB"``), a share of the
+    device's memory (``"80%"``), or ``"auto"`` (the default's fit-the-card budget); the scheduler keeps as many
+    weights resident as fit while resident weights plus the predicted streamed working set stay within it
+    (activations not included).
     ``bandwidth_safety_factor`` in (0, 1]: schedulers plan with measured bandwidth times this.
     ``prefetch_margin_ms`` >= 0: slack HEURISTIC keeps between a copy's end and its unit's start.
     ``lookahead`` >= 1: BASE / COST_EFFECTIVE prefetch this many streamed units ahead.
@@ -119,8 +129,8 @@ class OffloadConfig:
     """
 
     policy: Policy | str = Policy.HEURISTIC
-    gpu_resident_weight_ratio: float = 0.0
-    device_memory_budget_bytes: int | None = None
+    gpu_resident_weight_ratio: float | None = None
+    device_memory_budget_bytes: int | str | None = None
     bandwidth_safety_factor: float = 0.9
     prefetch_margin_ms: float = 0.1
     lookahead: int = 1
@@ -141,15 +151,14 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "policy", normalize_policy(self.policy))
-        set_(self, "gpu_resident_weight_ratio", _float("gpu_resident_weight_ratio", self.gpu_resident_weight_ratio))
-        if not 0.0 <= self.gpu_resident_weight_ratio <= 1.0:
-            raise _range("gpu_resident_weight_ratio", self.gpu_resident_weight_ratio, "[0, 1]")
-        budget = _opt_int("device_memory_budget_bytes", self.device_memory_budget_bytes)
-        set_(self, "device_memory_budget_bytes", budget)
+        if self.gpu_resident_weight_ratio is not None:
+            ratio = _float("gpu_resident_weight_ratio", self.gpu_resident_weight_ratio)
+            set_(self, "gpu_resident_weight_ratio", ratio)
+            if not 0.0 <= ratio <= 1.0:
+                raise _range("gpu_resident_weight_ratio", ratio, "[0, 1], or None")
+        set_(self, "device_memory_budget_bytes", _budget(self.device_memory_budget_bytes))
         if self.device_memory_budget_bytes is not None:
-            if self.device_memory_budget_bytes <= 0:
-                raise _range("device_memory_budget_bytes", self.device_memory_budget_bytes, "> 0 bytes, or None")
-            if self.gpu_resident_weight_ratio > 0.0:
+            if self.gpu_resident_weight_ratio:
                 raise ConfigError(
                     f"OffloadConfig: both gpu_resident_weight_ratio={self.gpu_resident_weight_ratio} and "
                     f"device_memory_budget_bytes={self.device_memory_budget_bytes} are set; set only one of them "
@@ -185,6 +194,31 @@ class OffloadConfig:
         set_(self, "exchange", self.exchange.strip().lower())
 
     # -- derived values -----------------------------------------------------------------------------
+    @property
+    def fits_card(self) -> bool:
+        """True when the plan's device budget is what the device can spare (neither a ratio nor bytes given)."""
+        return self.gpu_resident_weight_ratio is None and self.device_memory_budget_bytes is None
+
+    @property
+    def resident_ratio(self) -> float:
+        """``gpu_resident_weight_ratio`` as a number (0 when it is not set)."""
+        return self.gpu_resident_weight_ratio or 0.0
+
+    def budget_bytes(self, device_total: int | None) -> int | None:
+        """``device_memory_budget_bytes`` in bytes: a share (``"80%"``) of ``device_total``; None when not set.
+
+        A share of a device whose size is unknown (``device_total`` None) raises :class:`ConfigError`.
+        """
+        budget = self.device_memory_budget_bytes
+        if not isinstance(budget, str):
+            return budget
+        if device_total is None:
+            raise ConfigError(
+                f"OffloadConfig.device_memory_budget_bytes={budget!r} is a share of the device's memory, and this "
+                "backend cannot say how much its device has; give bytes instead (e.g. '12GiB')"
+            )
+        return max(1, math.floor(float(budget[:-1]) / 100.0 * device_total))
+
     def probe_bytes(self, is_accelerator: bool) -> int:
         """Size of the bandwidth probe: ``bandwidth_probe_bytes`` or the default for the backend kind."""
         if self.bandwidth_probe_bytes is not None:
@@ -336,8 +370,9 @@ register_env_names(ENV_PREFIX + name.upper() for name in OffloadConfig.field_nam
 
 
 # -- parsing and validation helpers ----------------------------------------------------------------------
-_OPTIONAL = {"device_memory_budget_bytes", "max_unit_bytes", "bandwidth_probe_bytes"}
-_BYTES = _OPTIONAL
+_OPTIONAL = {"gpu_resident_weight_ratio", "device_memory_budget_bytes", "max_unit_bytes", "bandwidth_probe_bytes"}
+#: Byte sizes; the budget also takes "N%" and "auto" (its own parser, :func:`_budget`).
+_BYTES = {"max_unit_bytes", "bandwidth_probe_bytes"}
 _INTS = {"lookahead", "warmup_calls"}
 _FLOATS = {"gpu_resident_weight_ratio", "bandwidth_safety_factor", "prefetch_margin_ms"}
 _BOOLS = {"direct_unit_calls"}
@@ -349,6 +384,8 @@ def _parse(name: str, raw: str, source: str | None = None) -> Any:
     try:
         if name in _OPTIONAL and text.lower() in ("", "none", "null"):
             return None
+        if name == "device_memory_budget_bytes":
+            return text
         if name in _BYTES:
             return parse_bytes(text)
         if name in _INTS:
@@ -386,6 +423,35 @@ def _int(name: str, value: Any) -> int:
             return int(value)
         raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid; expected an integer")
     return value
+
+
+def _budget(value: Any) -> int | str | None:
+    """``device_memory_budget_bytes`` normalised: bytes (int, or a size like ``"12GiB"``), a share ``"N%"`` in
+    (0, 100], or None for ``"auto"`` / None (what the device can spare)."""
+    name = "device_memory_budget_bytes"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("auto", "none", ""):
+            return None
+        if text.endswith("%"):
+            try:
+                share = parse_float(text[:-1].strip())
+            except ValueError:
+                share = math.nan
+            if not 0.0 < share <= 100.0:
+                raise _range(name, value, "a share of the device's memory in (0%, 100%], e.g. '80%'")
+            return f"{share:g}%"
+        try:
+            value = parse_bytes(text)
+        except ValueError as exc:
+            raise ConfigError(
+                f"OffloadConfig.{name}={value!r} is invalid: {exc}; valid: bytes ('12GiB', 12884901888), a share of "
+                "the device's memory ('80%'), or 'auto'"
+            ) from None
+    budget = _opt_int(name, value)
+    if budget is not None and budget <= 0:
+        raise _range(name, budget, "> 0 bytes, a share such as '80%', 'auto' or None")
+    return budget
 
 
 def _opt_int(name: str, value: Any) -> int | None:

@@ -21,3 +21,7 @@ class HostRegisterError(MagiError):
 
 class ConfigError(MagiError, ValueError):
     """An invalid configuration value."""
+
+
+class DeviceMemoryError(MagiError):
+    """The model cannot run within the device memory it has (a unit larger than what the device can spare)."""

@@ -21,7 +21,8 @@ from magi_core.plan.registry import get_scheduler, reload_policies
 def test_defaults() -> None:
     c = OffloadConfig()
     assert c.policy is Policy.HEURISTIC
-    assert (c.gpu_resident_weight_ratio, c.device_memory_budget_bytes) == (0.0, None)
+    assert (c.gpu_resident_weight_ratio, c.device_memory_budget_bytes) == (None, None)
+    assert c.fits_card and c.resident_ratio == 0.0
     assert (c.bandwidth_safety_factor, c.prefetch_margin_ms, c.lookahead, c.warmup_calls) == (0.9, 0.1, 1, 2)
     assert c.unit_compiler == "auto" and c.max_unit_bytes is None
     assert c.probe_bytes(is_accelerator=True) == 1 << 30
@@ -97,7 +98,7 @@ def test_policy_must_be_a_name(value: object, message: str) -> None:
 def test_ratio_and_budget_are_exclusive() -> None:
     with pytest.raises(ConfigError, match="set only one"):
         OffloadConfig(gpu_resident_weight_ratio=0.5, device_memory_budget_bytes=1 << 30)
-    assert OffloadConfig(device_memory_budget_bytes=1 << 30).gpu_resident_weight_ratio == 0.0
+    assert OffloadConfig(device_memory_budget_bytes=1 << 30).gpu_resident_weight_ratio is None
 
 
 def test_from_env() -> None:
@@ -288,7 +289,7 @@ def test_compile_options_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -
 def test_explicit_ratio_or_budget_keeps_the_other_out_of_the_environment(fresh_warnings: None) -> None:
     budget = OffloadConfig(device_memory_budget_bytes=1 << 30)
     c = resolve_config(budget, environ={"MAGI_OFFLOAD_GPU_RESIDENT_WEIGHT_RATIO": "0.5"})
-    assert (c.gpu_resident_weight_ratio, c.device_memory_budget_bytes) == (0.0, 1 << 30)
+    assert (c.gpu_resident_weight_ratio, c.device_memory_budget_bytes) == (None, 1 << 30)
     ratio = OffloadConfig(gpu_resident_weight_ratio=0.25)
     c = resolve_config(ratio, environ={"MAGI_OFFLOAD_DEVICE_MEMORY_BUDGET_BYTES": "1GiB"})
     assert (c.gpu_resident_weight_ratio, c.device_memory_budget_bytes) == (0.25, None)
@@ -487,3 +488,41 @@ def test_entry_point_policy_gone_after_uninstall(plugin_dist: Path) -> None:
     sys.path.remove(str(plugin_dist))
     reload_policies()
     assert "TWO_AHEAD" not in known_policies()
+
+
+@pytest.mark.parametrize(
+    ("given", "stored", "device_total", "in_bytes"),
+    [
+        ("12GiB", 12 << 30, None, 12 << 30),
+        (" 512 MiB ", 512 << 20, None, 512 << 20),
+        ("80%", "80%", 1000, 800),
+        ("12.5%", "12.5%", 1 << 30, (1 << 30) // 8),
+        ("auto", None, None, None),
+        (4096, 4096, None, 4096),
+    ],
+)
+def test_budget_takes_sizes_shares_and_auto(given: object, stored: object, device_total: int | None,
+                                            in_bytes: int | None) -> None:
+    """Budgets are bytes, byte sizes, a share of the device or "auto" (the fit-the-card default)."""
+    c = OffloadConfig(device_memory_budget_bytes=given)  # type: ignore[arg-type]
+    assert c.device_memory_budget_bytes == stored
+    assert c.budget_bytes(device_total) == in_bytes
+    assert c.fits_card == (stored is None)
+
+
+@pytest.mark.parametrize("given", ["0%", "101%", "-5%", "half%", "12 apples", "nan%", 0, -1, 1.5])
+def test_bad_budgets_name_the_forms_that_work(given: object) -> None:
+    with pytest.raises(ConfigError, match="device_memory_budget_bytes"):
+        OffloadConfig(device_memory_budget_bytes=given)  # type: ignore[arg-type]
+
+
+def test_a_share_of_an_unknown_device_asks_for_bytes() -> None:
+    with pytest.raises(ConfigError, match="give bytes instead"):
+        OffloadConfig(device_memory_budget_bytes="50%").budget_bytes(None)
+
+
+def test_budget_share_from_the_environment() -> None:
+    c = resolve_config(environ={"MAGI_OFFLOAD_DEVICE_MEMORY_BUDGET_BYTES": "50%"})
+    assert c.device_memory_budget_bytes == "50%" and not c.fits_card
+    c = resolve_config(environ={"MAGI_OFFLOAD_GPU_RESIDENT_WEIGHT_RATIO": "none"})
+    assert c.gpu_resident_weight_ratio is None and c.fits_card

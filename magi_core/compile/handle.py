@@ -50,6 +50,16 @@ class RuntimeStats:
     copy_calls: int = 0
     #: Device bytes the transfer holds for streamed weights (the unit transfer's planned buffer; 0 otherwise).
     transfer_buffer_bytes: int = 0
+    #: What the static plan holds on the device at peak: resident weights, copy buffer (or weights in flight) and
+    #: the activations measured in warm-up (None before planning).
+    predicted_peak_bytes: int | None = None
+    #: Device memory a measured planned step held at peak: the weights held before it plus what it allocated (the
+    #: second step after planning; None before it ran, or where the device module has no peak statistics).
+    measured_peak_bytes: int | None = None
+    #: Device bytes a warm-up call allocated beyond its weights (activations, workspaces).
+    activation_bytes: int = 0
+    #: The device budget the plan was fitted to: what the device could spare, or the budget given (None: none).
+    device_budget_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for JSON."""
@@ -207,4 +217,8 @@ def runtime_stats(runtime: OffloadLifecycle) -> RuntimeStats:
         bandwidth_GBps=None if runtime.bandwidth_Bps is None else runtime.bandwidth_Bps / 1e9,
         copy_calls=int(getattr(ex.transfer, "copy_calls", ex.transfer.copies)),
         transfer_buffer_bytes=int(getattr(ex.transfer, "buffer_bytes", 0)),
+        predicted_peak_bytes=runtime.predicted_peak_bytes,
+        measured_peak_bytes=runtime.measured_peak_bytes,
+        activation_bytes=runtime.activation_bytes,
+        device_budget_bytes=runtime.device_budget_bytes,
     )

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from magi_core.compile.device_room import DeviceRoom, PeakMeter, check_unit_fits, device_room
 from magi_core.config import OffloadConfig, Policy
-from magi_core.errors import ConfigError
-from magi_core.execute.actions import StepActions, unit_profiles, weight_owners
+from magi_core.errors import ConfigError, DeviceMemoryError
+from magi_core.execute.actions import unit_profiles, weight_owners
 from magi_core.execute.executor import OffloadExecutor
 from magi_core.execute.profiler import UnitTimer, broadcast_profiles, measure_h2d_bandwidth
 from magi_core.plan import build_plan
@@ -44,6 +45,10 @@ BandwidthFn = Callable[[], float]
 _FIT_ROUNDS = 6
 #: The bisection stops when the planning budgets that fit and do not fit are this close (share of the budget).
 _FIT_RESOLUTION = 1 / 64
+#: Fit-the-card plans: the least device memory whose predicted step is within this share of the fastest plan's.
+_SAME_STEP = 0.005
+#: Rounds of that search (a bisection over the budget).
+_LEAST_ROUNDS = 6
 
 _bw_lock = threading.Lock()
 _bw_cache: dict[tuple[str, int], float] = {}
@@ -102,8 +107,20 @@ class OffloadLifecycle:
         self._peer_buffer = 0
         #: Host tensors (id, data pointer) of the weights the static plan keeps resident, with their bytes.
         self.resident_hosts: dict[tuple[int, int], int] = {}
+        #: Device bytes a warm-up call allocated beyond its weights (activations, workspaces): the last one's.
+        self.activation_bytes = 0
+        #: What the installed static plan holds on the device: resident weights, copy buffer, activations.
+        self.predicted_peak_bytes: int | None = None
+        #: Device bytes the last measured planned step held (weights held before it plus its own peak).
+        self.measured_peak_bytes: int | None = None
+        #: The device budget the static plan was fitted to (bytes; None: none, the host backend or a ratio).
+        self.device_budget_bytes: int | None = None
+        self._meter = PeakMeter(executor.backend.device_module, executor.device)
+        self._measure_steps = 0  # planned steps still to measure (the second planned step is measured)
         if config.warmup_calls > 0:
-            executor.set_plan(self.warmup_plan())
+            plan = self.warmup_plan()
+            self._check_fits(plan)
+            executor.set_plan(plan)
 
     def _default_timer(self, n_units: int) -> Any:
         return UnitTimer(n_units, backend=self.executor.backend)
@@ -121,24 +138,44 @@ class OffloadLifecycle:
 
     def __call__(self, *args: Any) -> Any:
         """Run one step (the static-plan fast path after warm-up)."""
-        if self._planned:
+        if self._planned and not self._measure_steps:
             return self.executor.run(args, None)
         with self._warmup_lock:
             if self._planned:  # planned while this call waited
-                return self.executor.run(args, None)
+                return self._planned_call(args)
             return self._warmup_call(args)
+
+    def _planned_call(self, args: Sequence[Any]) -> Any:
+        """A planned step; the second one after planning is measured (the first fills resident copies)."""
+        if self._measure_steps == 1 and self._meter.available:
+            held = self._own_bytes()
+            with self._meter.measure():
+                self._meter.peak = 0
+                out = self.executor.run(args, None)
+            self.measured_peak_bytes = held + self._meter.peak
+            self._measure_steps = 0
+            return out
+        self._measure_steps = max(0, self._measure_steps - 1)
+        return self.executor.run(args, None)
 
     def _warmup_call(self, args: Sequence[Any]) -> Any:
         self.calls += 1
         w = self.config.warmup_calls
         if self.calls > w:
             self._install_static_plan(args)
-            return self.executor.run(args, None)
+            self._measure_steps = 2
+            return self._planned_call(args)
+        timer = None
         if self.calls == w:
             self.phase = "profile"
-            self._timer = self._timer_factory(self.executor.n_units)
-            return self.executor.run(args, self._timer)
-        return self.executor.run(args, None)
+            self._timer = timer = self._timer_factory(self.executor.n_units)
+        self._meter.peak = 0
+        with self._meter.measure():
+            out = self.executor.run(args, timer)
+        # weights a transfer allocates per copy are in the peak: what the plan holds of them comes off
+        in_flight = 0 if getattr(self.executor.transfer, "buffer_bytes", 0) else self._plan_peak(self.executor.plan)
+        self.activation_bytes = max(0, self._meter.peak - in_flight)
+        return out
 
     def _install_static_plan(self, args: Sequence[Any]) -> None:
         compute_ms = None
@@ -150,9 +187,10 @@ class OffloadLifecycle:
         self.profiles = unit_profiles(self.executor.units, compute_ms, self.executor.transfer.nbytes)
         self.bandwidth_Bps = self.executor.transfer.rate(self._bandwidth())
         with self.plan_lock if self.plan_lock is not None else contextlib.nullcontext():
-            profiles, config, shared, held = self._share_with_peers(self.profiles, args)
-            plan, actions = self._fit(profiles, self.bandwidth_Bps, config, shared, held, args)
+            plan = self._plan_for_device(args)
+            actions = self.executor.set_plan(plan)
             self.resident_hosts = {_key(args[i]): int(args[i].nbytes) for i in actions.resident}
+            self.predicted_peak_bytes = self._own_bytes() + self.activation_bytes
             self.phase = "planned"
             self._planned = True  # before the lock is let go: the next runtime to plan counts this one
         logger.info(
@@ -162,8 +200,159 @@ class OffloadLifecycle:
             actions.streamed_bytes, plan.predicted_step_ms, plan.predicted_stall_ms,
         )
 
+    # -- fitting the device ----------------------------------------------------------------------------
+    def _peers_on_device(self) -> list[OffloadLifecycle]:
+        return [r for r in (self.peers() if self.peers is not None else ())
+                if r is not self and r.executor.device == self.executor.device]
+
+    def _own_bytes(self) -> int:
+        """Device bytes this runtime's installed plan holds: its resident copies and its copy buffer (or, for a
+        transfer that allocates per copy, the plan's weights in flight)."""
+        actions = self.executor.actions
+        resident = 0 if actions is None else int(actions.resident_bytes)
+        buffer = int(getattr(self.executor.transfer, "buffer_bytes", 0))
+        return resident + (buffer or self._plan_peak(self.executor.plan, streamed_only=True))
+
+    @staticmethod
+    def _plan_peak(plan: Plan | None, streamed_only: bool = False) -> int:
+        if plan is None:
+            return 0
+        peak = int(plan.notes.get("peak_device_bytes", 0))
+        return peak - int(plan.notes.get("resident_bytes", 0)) if streamed_only else peak
+
+    def _room(self, with_peers: bool) -> DeviceRoom | None:
+        """The device's room for this model's weights now; ``with_peers``: the other runtimes' resident weights and
+        buffers count as the model's (a budget for the whole model), else only the copy buffer this runtime
+        would reuse."""
+        ex = self.executor
+        shared = getattr(ex.transfer, "shared", None)
+        held = shared.nbytes if shared is not None else int(getattr(ex.transfer, "buffer_bytes", 0))
+        peers = self._peers_on_device()
+        activations = max([self.activation_bytes, *(r.activation_bytes for r in peers)])
+        if with_peers:
+            counted: dict[tuple[int, int], int] = {}
+            for r in peers:
+                counted.update(r.resident_hosts)
+                if shared is None or getattr(r.executor.transfer, "shared", None) is not shared:
+                    held += _buffer_bytes(r)
+            held += sum(counted.values())
+        return device_room(ex.backend, ex.device, held, activations)
+
+    def _check_fits(self, plan: Plan) -> None:
+        """Before anything is allocated: a plan streaming one unit after another must fit the device."""
+        room = self._room(with_peers=False)
+        if room is None or not self.executor.units:
+            return
+        _, buffer = self.executor.footprint(plan)
+        need = buffer or self._plan_peak(plan)
+        largest = max(self.executor.units, key=lambda u: u.nbytes)
+        check_unit_fits(room, need, largest.label or largest.attr, largest.nbytes, self.executor.device)
+
+    def _plan_for_device(self, args: Sequence[Any]) -> Plan:
+        """The static plan for what the config asks and the device can spare.
+
+        No ratio and no budget: the fastest plan within the device's room, then the least memory that keeps its
+        step (:meth:`_least_memory`). A share (``"80%"``) becomes bytes of the device's total. A ratio whose plan
+        holds more than the room degrades to the fastest plan that fits it, with a warning.
+        """
+        assert self.profiles is not None and self.bandwidth_Bps is not None
+        config, bw = self.config, self.bandwidth_Bps
+        room = self._room(with_peers=True)
+        self.device_budget_bytes = None
+        if config.fits_card:
+            if room is None:  # the device's size is unknown: stream everything
+                return self._fit_config(config.replace(gpu_resident_weight_ratio=0.0), args)
+            if room.spare <= 0:
+                raise self._no_room(room, None)
+            self.device_budget_bytes = room.spare
+            try:
+                plan = self._fit_config(config.replace(device_memory_budget_bytes=room.spare), args)
+            except ConfigError as e:
+                raise self._no_room(room, e) from e
+            return self._least_memory(plan, config, room.spare, args)
+        if isinstance(config.device_memory_budget_bytes, str):
+            config = config.replace(device_memory_budget_bytes=config.budget_bytes(room.total if room else None))
+        self.device_budget_bytes = config.budget_bytes(None)
+        if self.device_budget_bytes is not None and room is not None and self.device_budget_bytes > room.spare:
+            logger.warning(
+                "magi offload: OffloadConfig.device_memory_budget_bytes=%d is more than %s can spare (%s); "
+                "device memory may run out", self.device_budget_bytes, self.executor.device, room.describe())
+        plan = self._fit_config(config, args)
+        if room is None or config.gpu_resident_weight_ratio is None or self.device_budget_bytes is not None:
+            return plan
+        holds = self._holds(plan, args, self._peer_held())
+        if holds <= room.spare:
+            return plan
+        logger.warning(
+            "magi offload: OffloadConfig.gpu_resident_weight_ratio=%g holds %.2f GiB on %s, which can spare %s; "
+            "planning the fastest plan that fits instead (set no ratio to fit the card without this warning)",
+            config.gpu_resident_weight_ratio, holds / 2**30, self.executor.device, room.describe())
+        self.device_budget_bytes = room.spare
+        try:
+            return self._fit_config(
+                config.replace(gpu_resident_weight_ratio=None, device_memory_budget_bytes=room.spare), args)
+        except ConfigError as e:
+            raise self._no_room(room, e) from e
+
+    def _fit_config(self, config: OffloadConfig, args: Sequence[Any]) -> Plan:
+        """The plan :meth:`_fit` chooses for ``config`` next to the model's other runtimes (nothing installed)."""
+        assert self.profiles is not None and self.bandwidth_Bps is not None
+        profiles, cfg, shared, held = self._share_with_peers(self.profiles, args, config)
+        return self._fit(profiles, self.bandwidth_Bps, cfg, shared, held, args)
+
+    def _least_memory(self, fastest: Plan, config: OffloadConfig, spare: int, args: Sequence[Any]) -> Plan:
+        """The plan holding the least device memory whose predicted step is within :data:`_SAME_STEP` of
+        ``fastest``'s (a bisection over the budget): fitting the card never takes memory a step does not use."""
+        held = self._peer_held()
+        target = fastest.predicted_step_ms * (1 + _SAME_STEP) + 1e-9
+        best, hi, lo = fastest, self._holds(fastest, args, held), 0
+        for _ in range(_LEAST_ROUNDS):
+            if hi - lo <= max(1, int(spare * _FIT_RESOLUTION)):
+                break
+            mid = (lo + hi) // 2
+            try:
+                plan = self._fit_config(config.replace(device_memory_budget_bytes=max(1, mid)), args)
+            except ConfigError:
+                lo = mid
+                continue
+            if plan.predicted_step_ms <= target:
+                best, hi = plan, min(mid, self._holds(plan, args, held))
+            else:
+                lo = mid
+        if best is not fastest:
+            logger.info("magi offload: the fastest plan within %d bytes holds %d; %d hold the same step",
+                        spare, self._holds(fastest, args, held), hi)
+        return best
+
+    def _peer_held(self) -> dict[tuple[int, int], int]:
+        held: dict[tuple[int, int], int] = {}
+        for r in self._peers_on_device():
+            if r._planned:
+                held.update(r.resident_hosts)
+        return held
+
+    def _holds(self, plan: Plan, args: Sequence[Any], held: dict[tuple[int, int], int]) -> int:
+        """Device bytes the plan would add: its new resident weights and the copy buffer (a buffer shared
+        with the peers: the larger of their plans' need and this one's)."""
+        actions, buffer = self.executor.footprint(plan)
+        new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
+        streamed = buffer or self._plan_peak(plan, streamed_only=True)
+        return sum(new.values()) + max(streamed, self._peer_buffer)
+
+    def _no_room(self, room: DeviceRoom, cause: ConfigError | None) -> DeviceMemoryError:
+        units = self.executor.units
+        largest = max(units, key=lambda u: u.nbytes) if units else None
+        what = (f"; its largest unit {largest.label or largest.attr!r} holds {largest.nbytes / 2**30:.2f} GiB"
+                if largest is not None else "")
+        return DeviceMemoryError(
+            f"this model's weights do not fit what {self.executor.device} can spare: {room.describe()}{what}"
+            + (f" ({cause})" if cause is not None else "")
+            + ". Split units further with OffloadConfig(max_unit_bytes=...), lower the activations (a smaller batch, "
+            "resolution or sequence), free device memory, or use a larger device"
+        )
+
     def _fit(self, profiles: list[UnitProfile], bandwidth_Bps: float, config: OffloadConfig, shared: frozenset[int],
-             held: dict[tuple[int, int], int], args: Sequence[Any]) -> tuple[Plan, StepActions]:
+             held: dict[tuple[int, int], int], args: Sequence[Any]) -> Plan:
         """Plan and install; under ``device_memory_budget_bytes``, the plan whose real footprint fits: its new
         resident weights plus the copy buffer its batches need (fixed places can need a unit more than the plan's
         own peak, e.g. when an odd number of batches cycle through two places), found by planning with less.
@@ -172,17 +361,12 @@ class OffloadLifecycle:
         drops by what the plan held beyond its prediction, then is bisected back up between the largest budget
         that fitted and the smallest that did not; the fitting plan with the shortest predicted step is installed.
         """
-        limit = config.device_memory_budget_bytes
+        limit = config.budget_bytes(None)
         if limit is None:
-            plan = self._plan(profiles, bandwidth_Bps, config, shared)
-            return plan, self.executor.set_plan(plan)
+            return self._plan(profiles, bandwidth_Bps, config, shared)
 
         def holds(plan: Plan) -> int:
-            """Device bytes the plan would add: its new resident weights and the copy buffer (a buffer shared
-            with the peers: the larger of their plans' need and this one's)."""
-            actions, buffer = self.executor.footprint(plan)
-            new = {_key(args[i]): int(args[i].nbytes) for i in actions.resident if _key(args[i]) not in held}
-            return sum(new.values()) + max(buffer, self._peer_buffer)
+            return self._holds(plan, args, held)
 
         def stream_all() -> Plan:
             """The plan that keeps nothing resident but what the peers hold (no budget)."""
@@ -243,8 +427,7 @@ class OffloadLifecycle:
                 fits.append(plan)
         if not fits:
             raise too_small(None)
-        plan = min(fits, key=lambda p: p.predicted_step_ms)
-        return plan, self.executor.set_plan(plan)
+        return min(fits, key=lambda p: p.predicted_step_ms)
 
     def _plan(self, profiles: list[UnitProfile], bandwidth_Bps: float, config: OffloadConfig,
               shared: frozenset[int]) -> Plan:
@@ -261,7 +444,7 @@ class OffloadLifecycle:
         return plan
 
     def _share_with_peers(
-        self, profiles: list[UnitProfile], args: Sequence[Any]
+        self, profiles: list[UnitProfile], args: Sequence[Any], config: OffloadConfig
     ) -> tuple[list[UnitProfile], OffloadConfig, frozenset[int], dict[tuple[int, int], int]]:
         """Profiles and config to plan with next to the model's other planned runtimes on this device, and the
         units whose weights those keep resident already (resident here too, at no cost: planned as weightless),
@@ -275,7 +458,7 @@ class OffloadLifecycle:
                  if r is not self and r._planned and r.executor.device == self.executor.device]
         self._peer_buffer = 0
         if not peers:
-            return profiles, self.config, frozenset(), {}
+            return profiles, config, frozenset(), {}
         held: dict[tuple[int, int], int] = {}
         for r in peers:
             held.update(r.resident_hosts)
@@ -297,8 +480,8 @@ class OffloadLifecycle:
         shared = frozenset(u for u, ws in owned.items()
                            if profiles[u].weight_bytes > 0 and all(_key(args[i]) in held for i in ws))
         planned = [dataclasses.replace(p, weight_bytes=0) if p.index in shared else p for p in profiles]
-        cfg = self.config
-        budget = cfg.device_memory_budget_bytes
+        cfg = config
+        budget = cfg.budget_bytes(None)
         if budget is not None:
             others = sum(held.values()) + buffers
             self._peer_note = (
@@ -314,7 +497,7 @@ class OffloadLifecycle:
         else:
             total = sum(p.weight_bytes for p in profiles)
             left = sum(p.weight_bytes for p in planned)
-            cap = max(0.0, cfg.gpu_resident_weight_ratio * total - sum(mine[k] for k in mine if k in held))
+            cap = max(0.0, cfg.resident_ratio * total - sum(mine[k] for k in mine if k in held))
             cfg = cfg.replace(gpu_resident_weight_ratio=min(1.0, cap / left) if left else 0.0)
         logger.info("magi offload: %d unit(s) already resident for %d other graph(s) of this model; planning with %s",
                     len(shared), len(peers), f"a budget of {cfg.device_memory_budget_bytes} bytes" if budget is not None

@@ -129,8 +129,13 @@ def plan_with_limits(
     """
     check_profiles(profiles)
     budget = config.device_memory_budget_bytes
+    if isinstance(budget, str):
+        raise ConfigError(
+            f"OffloadConfig.device_memory_budget_bytes={budget!r} is a share of the device's memory: plan with it "
+            "in bytes (config.replace(device_memory_budget_bytes=config.budget_bytes(device_total)))"
+        )
     if budget is None:
-        cap = ratio_cap(profiles, config.gpu_resident_weight_ratio)
+        cap = ratio_cap(profiles, config.resident_ratio)
         plan = build(cap)
         plan.notes["resident_budget_bytes"] = float(cap)
         return plan

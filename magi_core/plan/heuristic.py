@@ -9,7 +9,9 @@ than that start. So the step time equals the shortest possible, and weights arri
 which keeps the streamed working set small. Look-ahead plans are never faster for the same residency.
 
 Memory: shortest-step triggers may put several copies ahead of the running unit (e.g. during a heavy unit);
-``Plan.notes["peak_device_bytes"]`` says how much. Under ``device_memory_budget_bytes`` a plan that does not
+``Plan.notes["peak_device_bytes"]`` says how much. Copies ahead hold memory, so the plan kept is the one with
+the fewest streamed units in flight that is as fast (:func:`fewest_copies_ahead`: in a transfer-bound step that
+is look-ahead 1, two units on the device). Under ``device_memory_budget_bytes`` a plan that does not
 fit is rebuilt with copies at most ``lookahead`` streamed units ahead (same step time as look-ahead, later
 triggers), before residency is reduced; then a few units less resident are tried too, and the plan predicted
 fastest is kept (less resident can leave room for copies to run ahead of a balanced step).
@@ -35,7 +37,7 @@ from magi_core.plan.common import (
 )
 from magi_core.plan.contract import STEP_START, Plan, UnitProfile
 from magi_core.plan.lookahead import lookahead_plan
-from magi_core.plan.simulate import simulate, transfer_ms
+from magi_core.plan.simulate import SimResult, simulate, transfer_ms
 
 if TYPE_CHECKING:
     from magi_core.config import OffloadConfig
@@ -313,11 +315,12 @@ class HeuristicScheduler:
         bw = planning_bandwidth(bandwidth_Bps, config)
         margin = config.prefetch_margin_ms
 
-        budget = config.device_memory_budget_bytes
+        budget = config.budget_bytes(None)
 
         def build(cap: int) -> Plan:
             resident = stall_removing_residency(profiles, cap, bw)
             plan = heuristic_plan(profiles, resident, bw, margin, self.name, fast_bandwidth_Bps=bandwidth_Bps)
+            plan = fewest_copies_ahead(plan, profiles, bw, margin, bandwidth_Bps)
             if budget is not None and plan.notes["peak_device_bytes"] > budget:
                 # too many copies ahead of the running unit for the budget: limit them to the look-ahead
                 plan = heuristic_plan(profiles, resident, bw, margin, self.name, window=config.lookahead)
@@ -328,6 +331,47 @@ class HeuristicScheduler:
 
         plan = plan_with_limits(profiles, config, build, fallback)
         return plan if budget is None else _trade_residency_for_copies(plan, profiles, budget, build)
+
+
+#: Copy windows (streamed units in flight ahead of the running one) :func:`fewest_copies_ahead` tries.
+_MAX_WINDOW = 4
+
+
+def fewest_copies_ahead(
+    plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, margin_ms: float,
+    fast_bandwidth_Bps: float | None = None,
+) -> Plan:
+    """The plan with the fewest copies queued ahead of compute that is as fast as ``plan``.
+
+    Copies queued further ahead hold device memory and only pay where they shorten the step: in a
+    transfer-bound step the copy stream is the bottleneck, and look-ahead 1 already keeps it busy. The
+    windows 1 .. :data:`_MAX_WINDOW` are tried in turn; the first whose step is within :data:`_FAST_GAIN` of
+    ``plan``'s, at the planning rate and at the measured one, and holds less, replaces it.
+    """
+    streamed = plan.streamed()
+    if len(streamed) < 2:
+        return plan
+    peak = plan.notes["peak_device_bytes"]
+    fast = fast_bandwidth_Bps or bandwidth_Bps
+    plan_fast = simulate(plan, profiles, fast).step_ms
+    slack = _slack(simulate(plan, profiles, bandwidth_Bps), streamed)
+    for window in range(1, min(_MAX_WINDOW, len(streamed)) + 1):
+        candidate = heuristic_plan(profiles, plan.resident, bandwidth_Bps, margin_ms, plan.policy, window=window)
+        if candidate.notes["peak_device_bytes"] >= peak:
+            return plan  # wider windows hold at least as much
+        # as fast at both rates, and every copy lands the margin early where the plan's did
+        kept = _slack(simulate(candidate, profiles, bandwidth_Bps), streamed)
+        if (candidate.predicted_step_ms <= plan.predicted_step_ms * (1 + _FAST_GAIN) + 1e-9
+                and all(kept[j] >= min(slack[j], margin_ms) - 1e-9 for j in streamed)
+                and simulate(candidate, profiles, fast).step_ms <= plan_fast * (1 + _FAST_GAIN) + 1e-9):
+            candidate.notes["copy_window"] = float(window)
+            return candidate
+    return plan
+
+
+def _slack(sim: SimResult, streamed: Sequence[int]) -> dict[int, float]:
+    """Per streamed unit: how long before its start its copy ends."""
+    return {j: sim.start_ms[j] - sim.copy_end_ms[j] for j in streamed}
 
 
 #: Smaller resident caps (one largest unit less each) HEURISTIC tries under a budget (see below).
