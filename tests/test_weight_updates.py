@@ -166,6 +166,30 @@ def test_weight_edits_are_seen_by_every_input_shape(shm_dir: str, monkeypatch: p
         magi_core.release(model)
 
 
+@pytest.mark.parametrize("ratio", [0.5, 1.0])
+@pytest.mark.parametrize("edit", ["mul_", "data_inplace", "load_state_dict"])
+def test_an_edit_then_a_new_input_shape_sees_the_edit(shm_dir: str, ratio: float, edit: str) -> None:
+    # One shape planned (its resident copies shared in the process), an edit in place (a LoRA fuse), then a new
+    # shape (a new resolution or prompt length): the new shape's runtime takes the shared resident copies, which
+    # the edit made stale; its every call, the planned ones included, must see the edit.
+    model = build_transformer(SPEC)
+    ref = build_transformer(SPEC)
+    first, second = example_input(SPEC, tokens=5), example_input(SPEC, tokens=7, seed=1)
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="eager"),
+                      dynamic=False)
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                close(model(first), ref(first))
+            EDITS[edit](model)
+            EDITS[edit](ref)
+            for call in range(5):
+                close(model(second), ref(second), msg=f"call {call + 1} of the new shape after edit {edit}")
+            close(model(first), ref(first), msg="the first shape after the edit")
+    finally:
+        magi_core.release(model)
+
+
 @pytest.mark.parametrize("ratio", [0.0, 1.0])
 def test_buffer_edits_are_seen(shm_dir: str, ratio: float) -> None:
     model, ref = Scaled().eval(), Scaled().eval()

@@ -45,9 +45,9 @@ class DeviceRoom:
 
     def describe(self) -> str:
         """The figures, for messages."""
-        return (f"{_gib(self.free + self.held)} free for this model of {_gib(self.total)}, less "
-                f"{_gib(self.activations)} of activations measured in warm-up and a reserve of {_gib(self.reserve)}: "
-                f"{_gib(self.spare)} for weights")
+        return (f"{_size(self.free + self.held)} free for this model of {_size(self.total)}, less "
+                f"{_size(self.activations)} of activations measured in warm-up and a reserve of {_size(self.reserve)}: "
+                f"{_size(self.spare)} for weights")
 
 
 def device_room(backend: Backend, device: torch.device, held: int, activations: int) -> DeviceRoom | None:
@@ -93,16 +93,17 @@ def check_unit_fits(room: DeviceRoom | None, need: int, unit_label: str, unit_by
     if room is None or need <= room.free + room.held - room.reserve:
         return
     raise DeviceMemoryError(
-        f"this model does not fit {device}: streaming needs {_gib(need)} on the device for weights in flight, its "
-        f"largest unit {unit_label!r} alone holds {_gib(unit_bytes)}, and the device has {_gib(room.free + room.held)} "
-        f"free for it ({_gib(room.total)} in all, {_gib(room.reserve)} kept in reserve). Split units further with "
+        f"this model does not fit {device}: streaming needs {_size(need)} on the device for weights in flight, its "
+        f"largest unit {unit_label!r} alone holds {_size(unit_bytes)}, and the device has {_size(room.free + room.held)} "
+        f"free for it ({_size(room.total)} in all, {_size(room.reserve)} kept in reserve). Split units further with "
         "OffloadConfig(max_unit_bytes=...) (a block cannot be split below one op's weights), free device memory, "
         "or use a larger device"
     )
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+def _size(nbytes: int) -> str:
+    """Bytes for a message: GiB from 1 GiB up, else MiB."""
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 __all__ = ["DeviceRoom", "PeakMeter", "check_unit_fits", "device_room"]

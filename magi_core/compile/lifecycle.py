@@ -284,7 +284,7 @@ class OffloadLifecycle:
         if holds <= room.spare:
             return plan
         logger.warning(
-            "magi offload: OffloadConfig.gpu_resident_weight_ratio=%g holds %.2f GiB on %s, which can spare %s; "
+            "magi offload: OffloadConfig.gpu_resident_weight_ratio=%g holds %.3f GiB on %s, which can spare %s; "
             "planning the fastest plan that fits instead (set no ratio to fit the card without this warning)",
             config.gpu_resident_weight_ratio, holds / 2**30, self.executor.device, room.describe())
         self.device_budget_bytes = room.spare
@@ -342,7 +342,7 @@ class OffloadLifecycle:
     def _no_room(self, room: DeviceRoom, cause: ConfigError | None) -> DeviceMemoryError:
         units = self.executor.units
         largest = max(units, key=lambda u: u.nbytes) if units else None
-        what = (f"; its largest unit {largest.label or largest.attr!r} holds {largest.nbytes / 2**30:.2f} GiB"
+        what = (f"; its largest unit {largest.label or largest.attr!r} holds {largest.nbytes} bytes"
                 if largest is not None else "")
         return DeviceMemoryError(
             f"this model's weights do not fit what {self.executor.device} can spare: {room.describe()}{what}"

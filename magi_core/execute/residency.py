@@ -35,9 +35,10 @@ class ResidentStore:
     def acquire(
         self, host: torch.Tensor, data: torch.Tensor, device: torch.device,
         copy: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, bool]:
         """The device copy of ``host`` whose data is ``data`` (made with ``copy(data)`` if no executor holds one),
-        with one more reference.
+        with one more reference, and whether it was made now (False: another executor's copy, as fresh as that
+        executor last checked it, which may be older than the host's bytes).
 
         ``data`` is one view of ``host``'s data taken by the caller (``host.detach()``): the key and the copy
         both come from it, so a ``host.data = ...`` from another thread meanwhile cannot pair one storage's
@@ -48,12 +49,12 @@ class ResidentStore:
             e = self._entries.get(key)
             if e is not None and e.host() is host:
                 e.refs += 1
-                return e.device
+                return e.device, False
         with torch.no_grad():
             dev = copy(data)
         with self._lock:
             self._entries[key] = _Entry(weakref.ref(host), dev, 1)
-        return dev
+        return dev, True
 
     def release(self, host_id: int, host_ptr: int, device: torch.device) -> torch.Tensor | None:
         """Drop one reference to the copy of host tensor ``host_id`` (data at ``host_ptr``).
@@ -89,7 +90,9 @@ class ResidentSet:
 
     A weight is copied again when the host tensor passed in is another object or its storage moved
     (``param.data = ...``), and refreshed in place when its values changed (``changed``, from the executor's
-    :class:`~magi_core.execute.freshness.WeightWatch`). A device copy no executor holds any more is handed
+    :class:`~magi_core.execute.freshness.WeightWatch`). A copy another executor made (another input shape) is
+    only as fresh as that executor's last check: taken over while ``changed`` says the weight changed (a new
+    watch says so of every weight), it is refreshed before use. A device copy no executor holds any more is handed
     back through the transfer, ordered after the compute stream's queued work that may still read it.
     """
 
@@ -118,8 +121,11 @@ class ResidentSet:
                     old = self._store.release(id(hosts[k]), ptrs[k], self._device)
                     if old is not None:
                         transfer.release(old, compute_stream)
-                devs[k] = self._store.acquire(h, data, self._device,
-                                              lambda t: transfer.fetch_now(t, compute_stream))
+                dev, made = self._store.acquire(h, data, self._device,
+                                                lambda t: transfer.fetch_now(t, compute_stream))
+                if not made and i in changed:  # another executor's copy, checked before this change
+                    transfer.refresh(dev, data, compute_stream)
+                devs[k] = dev
                 hosts[k] = h
                 ptrs[k] = data.data_ptr()
                 self.copies += 1
