@@ -8,6 +8,7 @@ the host tensor and hide exactly that bug.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,23 @@ class Scaled(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = torch.tanh(layer(x)) * self.scale
+        return x
+
+
+class Wide(nn.Module):
+    """Three 1 MiB linear layers: copies long enough for another thread to act while they are queued."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(512, 512) for _ in range(3))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
         return x
 
 
@@ -162,6 +180,57 @@ def test_weight_edits_are_seen_by_every_input_shape(shm_dir: str, monkeypatch: p
                 for _ in range(2):
                     for x in order:
                         close(model(x), ref(x), msg=f"after edit {name}, {x.shape[1]} tokens")
+    finally:
+        magi_core.release(model)
+
+
+@pytest.mark.parametrize("transfer,ratio", [("per_tensor", 0.0), ("per_tensor", 0.5), ("unit", 0.0)])
+def test_a_weight_rebound_by_another_thread_reaches_every_call_whole(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch, transfer: str, ratio: float
+) -> None:
+    # Threads call the model while the main thread rebinds a weight's .data to fresh tensors (the old one freed at
+    # once): a copy reads its host bytes when the device runs it, so it must hold the data it was issued for.
+    # Every output is the old or the new weights' output, never a mix or freed memory.
+    if transfer == "unit":
+        monkeypatch.setattr(executor_mod, "DEFAULT_TRANSFER", UnitTransfer)
+    model = Wide().eval()
+    x = torch.randn(64, 512)
+    values = [model.layers[1].weight.detach().clone() * s for s in (1.0, -1.0)]
+    refs = []
+    with torch.no_grad():
+        for v in values:
+            model.layers[1].weight.data = v.clone()
+            refs.append(model(x))
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="eager"))
+    errors: list[str] = []
+    torn: list[float] = []
+
+    def caller() -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(25):
+                    out = model(x).cpu()
+                    if not any(torch.allclose(out, r, rtol=1e-4, atol=1e-4) for r in refs):
+                        torn.append(min(float((out - r).abs().max()) for r in refs))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+        threads = [threading.Thread(target=caller) for _ in range(4)]
+        for t in threads:
+            t.start()
+        k = 0
+        while any(t.is_alive() for t in threads):
+            model.layers[1].weight.data = values[k % 2].clone()  # the previous tensor is freed here
+            k += 1
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert not torn, f"{len(torn)} of 100 outputs match neither weight (max abs error {max(torn):.3g}); {k} rebinds"
+        assert k > 1
     finally:
         magi_core.release(model)
 

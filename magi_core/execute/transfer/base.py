@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -70,8 +71,39 @@ class WeightTransfer(Protocol):
         ...
 
 
+class SourceKeeper:
+    """Host tensors a queued copy reads, held until an event recorded after the copy completes.
+
+    A non-blocking copy reads its host bytes when the device runs it, not when it is issued: a weight whose
+    ``.data`` another thread rebinds meanwhile would lose its last reference and have its memory freed (and reused
+    by the next allocation) before the copy read it. Every copy therefore reads a view of the data taken when it
+    was issued (one storage, whatever is rebound later), and that view lives here until the copy is done.
+    """
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: deque[tuple[Any, Any]] = deque()
+
+    def keep(self, event: Any, sources: Any) -> None:
+        """Hold ``sources`` until ``event`` (recorded after the copies that read them) has completed."""
+        held = self._held
+        while held and held[0][0].query():
+            held.popleft()
+        held.append((event, sources))
+
+    def clear(self) -> None:
+        """Forget everything held (the device is idle or the caller synchronised it)."""
+        self._held.clear()
+
+
 class PerTensorTransfer:
-    """One non-blocking host-to-device copy per weight on a dedicated copy stream, one event per batch."""
+    """One non-blocking host-to-device copy per weight on a dedicated copy stream, one event per batch.
+
+    On an accelerator every copy reads a view of its weight's data taken when it is issued, kept alive until the
+    copy completes (:class:`SourceKeeper`): a weight rebound by another thread reaches the device whole, old or
+    new, never freed memory.
+    """
 
     def __init__(self, backend: Backend, device: torch.device) -> None:
         dm = backend.device_module
@@ -86,6 +118,7 @@ class PerTensorTransfer:
         self.allocates = True
         #: Host-to-device copy calls issued (one per weight here; one per batch and host storage with UnitTransfer).
         self.copy_calls = 0
+        self._sources = SourceKeeper()
 
     def set_actions(self, actions: StepActions, sizes: Sequence[Sequence[int]]) -> None:
         """Nothing to prepare: every fetch allocates its device tensors."""
@@ -109,10 +142,13 @@ class PerTensorTransfer:
     ) -> tuple[list[torch.Tensor], Any]:
         """Copy ``hosts`` on the copy stream; ``event`` (optional) is re-recorded instead of creating one."""
         device = self.device
+        sources = [h.detach() for h in hosts] if self._needs_release else hosts
         with self._stream_ctx(self.copy_stream):
-            outs = [h.to(device, non_blocking=True) for h in hosts]
+            outs = [h.to(device, non_blocking=True) for h in sources]
             ev = self._event() if event is None else event
             ev.record(self.copy_stream)
+        if self._needs_release:
+            self._sources.keep(ev, sources)
         self.copies += len(hosts)
         self.copy_calls += len(hosts)
         self.bytes_copied += sum(h.nbytes for h in hosts)
@@ -129,11 +165,14 @@ class PerTensorTransfer:
         gate = self._event()
         gate.record(compute_stream)
         self.copy_stream.wait_event(gate)
+        source = host.detach()
         with self._stream_ctx(self.copy_stream):
-            dev.copy_(host, non_blocking=True)
+            dev.copy_(source, non_blocking=True)
             done = self._event()
             done.record(self.copy_stream)
         compute_stream.wait_event(done)
+        if self._needs_release:
+            self._sources.keep(done, source)
         self.copies += 1
         self.copy_calls += 1
         self.bytes_copied += host.nbytes

@@ -84,7 +84,7 @@ def align_up(n: int, a: int = WEIGHT_ALIGNMENT) -> int:
 class _Slot:
     """One copy batch's fixed place in the device buffer, and how its weights are copied into it."""
 
-    __slots__ = ("offset", "size", "shares", "gate", "key", "views", "copies", "live")
+    __slots__ = ("offset", "size", "shares", "gate", "key", "views", "copies", "live", "event")
 
     def __init__(self, offset: int, size: int, shares: tuple[int, ...], gate: bool) -> None:
         self.offset = offset
@@ -96,6 +96,7 @@ class _Slot:
         self.views: tuple[torch.Tensor, ...] = ()
         self.copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # (device bytes, host bytes) per copy
         self.live = 0  # fetched weights not yet released
+        self.event: Any = None  # recorded after the batch's last copy
 
 
 class UnitTransfer(PerTensorTransfer):
@@ -245,7 +246,9 @@ class UnitTransfer(PerTensorTransfer):
         self._typed = {}
         self._owner = {}
         for slot in self._slots:
-            slot.key, slot.views, slot.copies = None, (), ()
+            if slot.event is not None and slot.copies and self._needs_release:
+                self._sources.keep(slot.event, slot.copies)
+            slot.key, slot.views, slot.copies, slot.event = None, (), (), None
 
     def fetch(
         self, hosts: Sequence[torch.Tensor], event: Any = None, batch: int | None = None
@@ -270,6 +273,7 @@ class UnitTransfer(PerTensorTransfer):
                 dev.copy_(host, non_blocking=True)
             ev = self._event() if event is None else event
             ev.record(self.copy_stream)
+        slot.event = ev
         slot.live = len(hosts)
         self.copies += len(hosts)
         self.copy_calls += len(slot.copies)
@@ -324,13 +328,15 @@ class UnitTransfer(PerTensorTransfer):
                 at = align_up(at + span.host.numel())
                 continue
             for i in idx:
-                h = hosts[i]
+                h = hosts[i].detach()  # the data now: a later rebind of the weight changes the key, not this copy
                 v = self._typed_buffer(h.dtype).as_strided(h.shape, h.stride(), at // h.dtype.itemsize)
                 copies.append((v, h))
                 views[i] = v
                 at = align_up(at + h.nbytes)
         for v in slot.views:
             self._owner.pop(id(v), None)
+        if slot.event is not None and slot.copies and self._needs_release:
+            self._sources.keep(slot.event, slot.copies)  # the last copies may still be reading the old sources
         slot.views = tuple(v for v in views if v is not None)
         slot.copies = tuple(copies)
         slot.key = key
