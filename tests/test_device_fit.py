@@ -74,7 +74,7 @@ def test_default_plan_fits_a_card_smaller_than_the_model(device_cap) -> None:
     """32 MiB of weights on a card with 20 MiB to spare: the default plan fits it, keeps what it can resident and
     streams the rest; what it says it holds is within the budget, and the measured step holds no more."""
     cap = device_cap(DEVICE_RESERVE_BYTES + 20 * MIB)
-    model = Blocks()
+    model = Blocks().eval()
     try:
         out, ref = _run(model, OffloadConfig(unit_compiler="eager"))
         torch.testing.assert_close(out, ref)
@@ -94,7 +94,7 @@ def test_default_plan_keeps_no_more_than_the_step_needs(device_cap) -> None:
     """With room for everything, the default keeps resident only what shortens the step: never more than the
     whole model, and no plan holding less is predicted as fast (within the tolerance)."""
     device_cap(DEVICE_RESERVE_BYTES + 256 * MIB)
-    model = Blocks()
+    model = Blocks().eval()
     try:
         out, ref = _run(model, OffloadConfig(unit_compiler="eager"))
         torch.testing.assert_close(out, ref)
@@ -107,7 +107,7 @@ def test_default_plan_keeps_no_more_than_the_step_needs(device_cap) -> None:
 
 def test_a_ratio_that_does_not_fit_degrades_with_a_warning(device_cap, caplog) -> None:
     device_cap(DEVICE_RESERVE_BYTES + 20 * MIB)
-    model = Blocks()
+    model = Blocks().eval()
     try:
         with caplog.at_level(logging.WARNING, logger="magi_core"):
             out, ref = _run(model, OffloadConfig(unit_compiler="eager", gpu_resident_weight_ratio=1.0,
@@ -125,13 +125,13 @@ def test_a_share_of_the_device_is_a_budget_in_bytes(device_cap) -> None:
     device_cap(DEVICE_RESERVE_BYTES + 64 * MIB)
     info = get_backend().device_memory()
     assert info is not None
-    model = Blocks()
+    model = Blocks().eval()
     try:
-        out, ref = _run(model, OffloadConfig(unit_compiler="eager", device_memory_budget_bytes="1%"))
+        out, ref = _run(model, OffloadConfig(unit_compiler="eager", device_memory_budget_bytes="5%"))
         torch.testing.assert_close(out, ref)
         (stats,) = magi_core.handle(model).stats()
-        assert stats.device_budget_bytes == info.total // 100
-        assert stats.resident_bytes + stats.transfer_buffer_bytes <= info.total // 100
+        assert stats.device_budget_bytes == info.total * 5 // 100
+        assert stats.resident_bytes + stats.transfer_buffer_bytes <= info.total * 5 // 100
     finally:
         magi_core.release(model, restore=True)
 
@@ -140,7 +140,7 @@ def test_a_unit_larger_than_the_card_is_a_clear_error_before_any_allocation(devi
     """Streaming needs two 4 MiB units in flight; a card with 6 MiB to spare cannot hold them: the error names the
     largest unit, its size and the free memory, and comes before the device runs out."""
     device_cap(DEVICE_RESERVE_BYTES + 6 * MIB)
-    model = Blocks()
+    model = Blocks().eval()
     dm = get_backend().device_module
     before = int(dm.memory_allocated())
     try:
