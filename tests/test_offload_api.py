@@ -331,3 +331,35 @@ def test_device_tensors_inside_an_object_argument_are_a_clear_error(shm_dir, acc
         with pytest.raises(MagiError, match=r"device tensors inside _State\.keys reached the compiled forward.*"
                                             r"use_cache=False"):
             m(x, _State(torch.ones(2, 16, device=backend.device())))
+
+
+def test_release_waits_for_the_step_running_and_refuses_later_ones() -> None:
+    """A release racing calls: the step running finishes on intact weights (release waits for it), and a call that
+    got past the "released" check before the release is refused with the same clear error, not a shape error."""
+    import threading
+
+    torch._dynamo.reset()
+    model = Stack().eval()
+    x = torch.randn(2, 8)
+    offload(model, CFG)
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                model(x)
+        executor = handle(model).runtime.executor
+        step_lock = executor._lock
+        step_lock.acquire()  # a step of the model is running
+        releaser = threading.Thread(target=release, args=(model,))
+        releaser.start()
+        releaser.join(timeout=0.5)
+        assert releaser.is_alive(), "release must wait for the running step"
+        step_lock.release()
+        releaser.join(timeout=30)
+        assert not releaser.is_alive()
+        with pytest.raises(MagiError, match="was released"):
+            executor.run((x,), None)  # a call already past the forward's check
+        with pytest.raises(MagiError, match="was released"):
+            model(x)
+    finally:
+        release(model)
+        torch._dynamo.reset()

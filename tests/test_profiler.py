@@ -203,3 +203,14 @@ def test_accelerator_unit_timer_times_device_work() -> None:
     timer.stop(1)
     ms = timer.result()
     assert ms[0] > ms[1] >= 0.0
+
+
+def test_a_probe_larger_than_memory_names_the_setting() -> None:
+    """A bandwidth probe that cannot be allocated is a ConfigError naming bandwidth_probe_bytes, and leaves nothing
+    registered, instead of the allocator's raw error at the first call."""
+    from helpers.ranges import registered_ranges
+
+    before = registered_ranges()
+    with pytest.raises(ConfigError, match=r"cannot allocate 1125899906842624 bytes.*bandwidth_probe_bytes"):
+        measure_h2d_bandwidth(nbytes=1 << 50)
+    assert registered_ranges() == before

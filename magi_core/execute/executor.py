@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from magi_core.errors import MagiError
 from magi_core.execute.actions import StepActions, build_actions
 from magi_core.execute.freshness import WeightWatch
 from magi_core.execute.inputs import InputPreparer
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 #: (a fixed property of the executor, not a tuning knob: it bounds the streamed allocations pending on the
 #: copy stream; 2 leaves a unit of slack for host jitter before the copy stream could run dry).
 HOST_LEAD_UNITS = 2
+
+#: Why a step of a closed executor is refused.
+RELEASED = ("this offloaded model was released (magi_core.release) while the call was on its way; its weights are "
+            "gone. Offload a fresh model, or release with restore=True to keep using it on the host")
 
 #: Transfers by ``OffloadConfig.transfer`` name.
 TRANSFER_KINDS: dict[str, Callable[[Backend, torch.device], WeightTransfer]] = {
@@ -166,6 +171,8 @@ class OffloadExecutor:
         self._gate: tuple[bool, ...] = ()
         #: One step at a time: the copy stream, events, carried copies and the transfer's places are shared.
         self._lock = threading.Lock()
+        #: Set by :meth:`close`: steps are refused from then on.
+        self.closed = False
 
     def _installer(self, index: int) -> Callable[[UnitFn, bool], None]:
         def install(fn: UnitFn, direct: bool) -> None:
@@ -234,7 +241,13 @@ class OffloadExecutor:
         return actions
 
     def close(self) -> None:
-        """Release resident weights and carried prefetches."""
+        """Release resident weights and carried prefetches, after the step running now (if any); later steps are
+        refused with a :class:`MagiError` saying the model was released."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        self.closed = True
         if self.resident is not None:
             self.resident.close(self.transfer, self._current_stream())
         self._carry = {}
@@ -243,7 +256,7 @@ class OffloadExecutor:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close()  # unreferenced: no step runs on it, and the model's step lock may be held by this thread
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -259,6 +272,8 @@ class OffloadExecutor:
         if actions is None or resident is None:
             raise RuntimeError("OffloadExecutor.run called before set_plan(); install a plan first")
         with self._lock, torch.no_grad():
+            if self.closed:
+                raise MagiError(RELEASED)
             env = self._template.copy()
             self.inputs.fill(args, env)
             compute = self._current_stream()

@@ -119,15 +119,19 @@ def measure_h2d_bandwidth(
             nbytes = OffloadConfig().probe_bytes(backend.is_accelerator)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ConfigError(f"measure_h2d_bandwidth: nbytes={nbytes!r} is invalid; valid: an int > 0")
-        host = torch.empty(nbytes, dtype=torch.uint8)
+        host = _probe_buffer(nbytes, None, "the host")
     if iters < 1 or warmup < 0:
         raise ConfigError(f"measure_h2d_bandwidth: iters={iters} (valid >= 1), warmup={warmup} (valid >= 0)")
     device = device if device is not None else backend.device()
     dm = backend.device_module
+    if backend.is_accelerator:
+        room = backend.device_memory(device)
+        if room is not None and nbytes > room.free:
+            raise _probe_too_large(nbytes, str(device), f"{room.free} bytes are free there")
     ptr = host.data_ptr()
     backend.host_register(ptr, nbytes)
     try:
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = _probe_buffer(nbytes, device, str(device))
         side = dm.Stream()
         start, end = dm.Event(enable_timing=True), dm.Event(enable_timing=True)
         side.wait_stream(dm.current_stream())
@@ -146,6 +150,23 @@ def measure_h2d_bandwidth(
     bandwidth = nbytes * iters / max(ms, 1e-6) * 1e3
     logger.debug("h2d probe: %d B x %d in %.3f ms = %.2f GB/s", nbytes, iters, ms, bandwidth / 1e9)
     return broadcast_value(bandwidth) if broadcast else bandwidth
+
+
+def _probe_buffer(nbytes: int, device: torch.device | None, where: str) -> torch.Tensor:
+    """The probe's buffer of ``nbytes`` (on the host when ``device`` is None); a size that cannot be allocated is
+    a :class:`ConfigError` naming the setting, not the allocator's error."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        raise _probe_too_large(nbytes, where, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+
+def _probe_too_large(nbytes: int, where: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"the host-to-device bandwidth probe cannot allocate {nbytes} bytes on {where} ({why}); set "
+        "OffloadConfig.bandwidth_probe_bytes (MAGI_OFFLOAD_BANDWIDTH_PROBE_BYTES) lower, e.g. 1GiB (the default on "
+        "accelerators), or leave it unset"
+    )
 
 
 def _distributed() -> bool:
