@@ -413,7 +413,29 @@ class Normed(nn.Module):
         return self.bn(self.lin(x))
 
 
-@pytest.mark.parametrize("make,train,written", [(Counter, False, "steps"), (Normed, True, "running_mean")])
+class RowWriter(nn.Module):
+    """A cache buffer written one row at a time through an indexing view (``buf[i].copy_(...)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache[1].copy_(x[0])
+        return self.lin(x) + self.cache.sum(0)
+
+
+class SliceWriter(RowWriter):
+    """The same through a slice and a transposed view (``buf[:, :2].t().mul_(...)``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache[:, :2].t().mul_(2.0)
+        return self.lin(x) + self.cache.sum(0)
+
+
+@pytest.mark.parametrize("make,train,written", [(Counter, False, "steps"), (Normed, True, "running_mean"),
+                                                (RowWriter, False, "cache"), (SliceWriter, False, "cache")])
 def test_state_written_inside_forward_is_refused(shm_dir: str, make: Any, train: bool, written: str) -> None:
     model = make().train(train)
     with pytest.raises(magi_core.MagiError, match=rf"writes to module state .*{written}.*inference"):
