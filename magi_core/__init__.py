@@ -7,6 +7,7 @@ import torch.distributed as _dist
 from magi_core.api import handle, load, offload, release
 from magi_core.config import OffloadConfig, Policy
 from magi_core.errors import BackendError, ConfigError, HostRegisterError, MagiError
+from magi_core.plugin.device_limit import limit_device_memory as limit_device_memory  # noqa: F401
 from magi_core.plugin.facade import Backend
 from magi_core.plugin.manager import get_backend, list_backends, use_backend
 

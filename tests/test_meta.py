@@ -272,13 +272,27 @@ def test_every_hookspec_documents_parameters_return_status_and_version(hook: str
     assert getattr(fn, f"{hookspecs.PROJECT}_spec")["firstresult"], f"{hook}: the reference says all are firstresult"
 
 
-def test_hookspec_version_is_1_1_and_1_1_only_added_the_optional_capabilities_hook() -> None:
-    assert hookspecs.HOOKSPEC_VERSION == "1.1"
+def test_hookspec_version_is_1_2_and_each_minor_only_added_optional_hooks() -> None:
+    assert hookspecs.HOOKSPEC_VERSION == "1.2"
     added = {name: version_added(inspect.getdoc(fn) or "") for name, fn in hookspec_functions().items()}
-    assert {name for name, v in added.items() if v != ["1.0"]} == {"magi_capabilities"}
+    assert {name for name, v in added.items() if v != ["1.0"]} == {
+        "magi_capabilities", "magi_device_memory", "magi_limit_device_memory"}
     assert added["magi_capabilities"] == ["1.1"]
-    assert "magi_capabilities" not in hookspecs.REQUIRED_HOOKS  # a minor version adds optional hooks only
+    assert added["magi_device_memory"] == added["magi_limit_device_memory"] == ["1.2"]
+    # a minor version adds optional hooks only
+    assert not {"magi_capabilities", "magi_device_memory", "magi_limit_device_memory"} & set(hookspecs.REQUIRED_HOOKS)
     assert version_added(inspect.getdoc(hookspecs.Capabilities) or "") == ["1.1"]
+    assert version_added(inspect.getdoc(hookspecs.DeviceMemory) or "") == ["1.2"]
+
+
+def test_device_memory_fields_are_documented_in_spec_and_reference() -> None:
+    fields = [(f.name, annotation_text(f.type)) for f in dataclasses.fields(hookspecs.DeviceMemory)]
+    source = inspect.getsource(hookspecs.DeviceMemory)
+    undocumented = [n for n, _ in fields if not re.search(rf"#:.*\n(?:\s*#:.*\n)*\s*{n}:", source)]
+    assert not undocumented, f"DeviceMemory fields without a '#:' comment in spec.py: {undocumented}"
+    entry = hook_reference_blocks(CONTRIBUTING.read_text(encoding="utf-8"))["magi_device_memory"]
+    assert documented_items(entry_bullets(entry)["Returns"].items) == fields, \
+        "CONTRIBUTING.md's magi_device_memory 'Returns' bullet must list DeviceMemory's fields as `name` (`type`): ..."
 
 
 def test_capabilities_fields_are_documented_in_spec_and_reference() -> None:

@@ -56,7 +56,8 @@ def test_cpu_backend_is_discovered_through_its_entry_point(registry: Registry) -
     assert rec.package_version == magi_core.__version__
     assert rec.spec_versions == ("1",)
     assert rec.missing_required == ()
-    assert set(rec.missing_optional) == {"magi_range_push", "magi_range_pop"}
+    # no profiler ranges on the host, and no device memory to cap (magi_device_memory answers None)
+    assert set(rec.missing_optional) == {"magi_range_push", "magi_range_pop", "magi_limit_device_memory"}
     assert rec.available and rec.why_unavailable is None
     assert rec.probe is not None and rec.probe.device_type == "cpu" and rec.probe.priority == 0
 
@@ -240,8 +241,9 @@ def test_higher_priority_backend_is_chosen_by_probe(tmp_path: Path) -> None:
     fast = out["backends"]["fast"]
     assert fast["package"] == "magi-backend-fast" and fast["package_version"] == "0.0.1"
     assert fast["priority"] == 50 and fast["device_type"] == "fast" and fast["available"]
-    # the fake implements every spec 1.0 hook: a 1.0 backend lacks only the 1.1 addition, and still loads
-    assert fast["missing_optional_hooks"] == ["magi_capabilities"] and fast["hookspec_versions"] == ["1"]
+    # the fake implements every spec 1.0 hook: a 1.0 backend lacks only the 1.1 and 1.2 additions, and still loads
+    assert fast["missing_optional_hooks"] == ["magi_capabilities", "magi_device_memory", "magi_limit_device_memory"]
+    assert fast["hookspec_versions"] == ["1"]
     assert "cpu" in out["backends"]
 
 

@@ -8,7 +8,9 @@ Register a backend in your ``pyproject.toml``::
 and implement the hooks of :mod:`magi_core.plugin.spec` with ``@hookimpl`` in that module (the spec documents
 each hook's parameters, return value, when magi-core calls it, whether it is required, and ``versionadded``).
 Everything a backend uses is importable from here: the ``hookimpl`` marker, :class:`ProbeResult`,
-:class:`Capabilities` (spec 1.1), :class:`HostRangeTable` and the errors it raises. A conforming synchronous
+:class:`Capabilities` (spec 1.1), :class:`DeviceMemory` and :class:`FractionCap` (spec 1.2: a process's device
+memory, and a cap on it through a torch-style ``set_per_process_memory_fraction``), :class:`HostRangeTable` and the
+errors it raises. A conforming synchronous
 device module to copy or subclass is :mod:`magi_core.plugin.cpu.device`. Core code reaches the selected backend through
 :func:`magi_core.get_backend` (a typed :class:`~magi_core.plugin.facade.Backend` facade, :mod:`.facade`);
 discovery and selection live in :mod:`.manager`.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import pluggy
 
 from magi_core.errors import BackendError, HostRegisterError, MagiError
+from magi_core.plugin.device_memory import FractionCap, memory_from_module
 from magi_core.plugin.host_ranges import (
     ALREADY_REGISTERED,
     NOT_REGISTERED,
@@ -34,6 +37,7 @@ from magi_core.plugin.spec import (
     PROJECT,
     REQUIRED_HOOKS,
     Capabilities,
+    DeviceMemory,
     ProbeResult,
 )
 
@@ -51,10 +55,13 @@ __all__ = [
     "SUCCESS",
     "BackendError",
     "Capabilities",
+    "DeviceMemory",
+    "FractionCap",
     "HostRangeTable",
     "HostRegisterError",
     "MagiError",
     "ProbeResult",
     "hookimpl",
     "loaded_libraries",
+    "memory_from_module",
 ]

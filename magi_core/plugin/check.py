@@ -175,6 +175,21 @@ def _check_capabilities(report: CheckReport, rec: BackendRecord) -> None:
     report.notes.append(f"capabilities: {caps}")
 
 
+def _check_device_memory(report: CheckReport, rec: BackendRecord, module: Any) -> None:
+    """Notes on the device-memory hooks (spec 1.2); nothing is called: asking would initialise the device."""
+    if "magi_device_memory" not in rec.callers:
+        how = ("the device module's mem_get_info" if callable(getattr(module, "mem_get_info", None))
+               else "nothing: its device module has no mem_get_info, so offloaded models get no default budget")
+        report.notes.append(f"magi_device_memory not implemented: the device's memory is read from {how}")
+    if "magi_limit_device_memory" not in rec.callers:
+        report.notes.append("magi_limit_device_memory not implemented: capping the process's device memory "
+                            "(magi_core.limit_device_memory, magi bench --device-memory) is refused for this backend")
+    elif "magi_device_memory" not in rec.callers:
+        report.add("magi_device_memory", "missing while magi_limit_device_memory is implemented: a cap would not show "
+                   "in Backend.device_memory() (mem_get_info reports the whole device)",
+                   "implement magi_device_memory reporting the cap as total (magi_core.plugin.FractionCap does both)")
+
+
 def check_backend(name: str, records: dict[str, BackendRecord] | None = None) -> CheckReport:
     """Load backend ``name`` (already discovered) and check it: hooks, probe, device module, aliases, capabilities."""
     records = REGISTRY.records() if records is None else records
@@ -221,6 +236,7 @@ def check_backend(name: str, records: dict[str, BackendRecord] | None = None) ->
     if ok:
         report.problems += check_device_module(module)
     _check_capabilities(report, rec)
+    _check_device_memory(report, rec, module if ok else None)
     is_init = getattr(module, "is_initialized", None) if ok else None
     if callable(is_init):
         try:

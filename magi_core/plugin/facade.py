@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from magi_core.errors import ConfigError
+from magi_core.errors import BackendError, ConfigError, MagiError
+from magi_core.plugin.device_memory import memory_from_module
 from magi_core.plugin.registered import REGISTERED, RegisteredRanges
-from magi_core.plugin.spec import UNIT_COMPILERS, Capabilities
+from magi_core.plugin.spec import UNIT_COMPILERS, Capabilities, DeviceMemory
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def _no_binding() -> None:
 
 @dataclass(frozen=True)
 class Backend:
-    """The active backend: device type, device module, host register/unregister, ranges, aliases, capabilities."""
+    """The active backend: device type, device module, host register/unregister, ranges, aliases, capabilities,
+    device memory (what the process can still allocate, and a cap on it)."""
 
     name: str
     package: str
@@ -81,6 +83,10 @@ class Backend:
     hookspec_versions: tuple[str, ...] = ()
     #: What ``magi_capabilities`` returned, or None when the backend does not implement it (spec 1.0).
     declared_capabilities: Capabilities | None = field(default=None, repr=False)
+    #: ``magi_device_memory`` bound to this backend (device index -> DeviceMemory | None); None when not implemented.
+    _device_memory: Callable[[int], Any] | None = field(default=None, repr=False)
+    #: ``magi_limit_device_memory`` bound to this backend (device index, bytes); None when not implemented.
+    _limit_device_memory: Callable[[int, int], Any] | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return (
@@ -152,6 +158,86 @@ class Backend:
             set_device(index)
 
         return bind
+
+    def device_index(self, device: torch.device | int | None = None) -> int:
+        """The index of ``device`` on this backend (None: the current device; the host is index 0)."""
+        if isinstance(device, bool):
+            raise TypeError(f"a device index must be an int or a torch.device, got {device!r}")
+        if isinstance(device, int):
+            index: int | None = device
+        elif device is None:
+            index = None
+        else:
+            dev = torch.device(device)
+            if dev.type != self.device_type:
+                raise BackendError(f"device {dev} is not one of backend {self.name!r}'s ({self.device_type}); pass "
+                                   f"a {self.device_type} device or its index")
+            index = dev.index
+        if index is None:
+            index = self.device().index if self.is_accelerator else None
+        return int(index or 0)
+
+    def device_memory(self, device: torch.device | int | None = None) -> DeviceMemory | None:
+        """What this process can still allocate on ``device`` (default: the current one) and the capacity it sees.
+
+        ``free`` counts the device's free bytes and what torch's caching allocator holds unused, within any cap
+        (:meth:`limit_device_memory`); ``total`` is the cap when one is set. From the backend's
+        ``magi_device_memory`` (spec 1.2), else from the device module's ``mem_get_info``; None when the backend
+        cannot tell, and on the host (host memory is no device budget). May initialise the device.
+        """
+        index = self.device_index(device)
+        if self._device_memory is not None:
+            try:
+                result = self._device_memory(index)
+            except MagiError:
+                raise
+            except Exception as exc:
+                raise BackendError(f"backend {self.name!r} ({self.package}): magi_device_memory({index}) raised "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            if result is not None and not isinstance(result, DeviceMemory):
+                raise BackendError(f"backend {self.name!r} ({self.package}): magi_device_memory returned "
+                                   f"{type(result).__name__}; return magi_core.plugin.DeviceMemory(free=..., "
+                                   "total=...) or None")
+            return result
+        if not self.is_accelerator:
+            return None
+        return memory_from_module(self.device_module, index)
+
+    @property
+    def can_limit_device_memory(self) -> bool:
+        """True when the backend can cap this process's device memory (it implements ``magi_limit_device_memory``)."""
+        return self._limit_device_memory is not None
+
+    def require_device_memory_limit(self) -> None:
+        """Raise :class:`BackendError` naming the backend when it cannot cap device memory."""
+        if self._limit_device_memory is None:
+            where = ("it runs on the host, whose memory is no device budget" if not self.is_accelerator else
+                     f"its package {self.package} does not implement magi_limit_device_memory (hook spec 1.2)")
+            raise BackendError(
+                f"backend {self.name} cannot cap device memory; {where}. Run on a backend that can (cuda, musa, "
+                "magidev), or leave the cap unset (--device-memory / MAGI_DEVICE_MEMORY)"
+            )
+
+    def limit_device_memory(self, nbytes: int, device: torch.device | int | None = None) -> None:
+        """Cap this process's allocations on ``device`` (default: the current one) at ``nbytes``: a smaller card.
+
+        Past the cap the device's out-of-memory error is raised, as on a card of that size, and
+        :meth:`device_memory` reports ``total == nbytes``. Set it before the process allocates on the device.
+        Raises :class:`BackendError` when the backend cannot cap (no ``magi_limit_device_memory``) or refuses the
+        size (above the device's total), :class:`ConfigError` for a size that is not a positive whole number.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ConfigError(f"a device memory cap must be a positive whole number of bytes, got {nbytes!r}")
+        self.require_device_memory_limit()
+        assert self._limit_device_memory is not None
+        index = self.device_index(device)
+        try:
+            self._limit_device_memory(index, nbytes)
+        except MagiError:
+            raise
+        except Exception as exc:
+            raise BackendError(f"backend {self.name!r} ({self.package}): magi_limit_device_memory({index}, {nbytes}) "
+                               f"raised {type(exc).__name__}: {exc}") from exc
 
     def host_register(self, ptr: int, nbytes: int) -> None:
         """Pin the host range [ptr, ptr+nbytes) in place (idempotent)."""

@@ -40,7 +40,8 @@ ENV_BACKEND = "MAGI_BACKEND"
 #: Environment variable that, when set to a true word (``1``, ``true``, ``yes``, ``on``), logs every hook call.
 ENV_TRACE = "MAGI_TRACE_HOOKS"
 #: Hooks a backend may leave out; the facade then uses the documented default.
-OPTIONAL_HOOKS = ("magi_range_push", "magi_range_pop", "magi_to_method_aliases", "magi_capabilities")
+OPTIONAL_HOOKS = ("magi_range_push", "magi_range_pop", "magi_to_method_aliases", "magi_capabilities",
+                  "magi_device_memory", "magi_limit_device_memory")
 #: Hooks a backend may implement, required first.
 ALL_HOOKS = REQUIRED_HOOKS + OPTIONAL_HOOKS
 #: Attributes the device module must have (torch-style device module): selection fails without them.
@@ -571,6 +572,8 @@ class Registry:
         # called once per unit per step: bound to the backend's function itself, not dispatched through pluggy
         range_push: Callable[[str], Any] | None = _direct(push, ("name",), lambda name: push(name=name))
         range_pop: Callable[[], Any] | None = _direct(pop, (), lambda: pop())
+        memory: Any = rec.callers.get("magi_device_memory")
+        limit: Any = rec.callers.get("magi_limit_device_memory")
         return Backend(
             name=rec.name,
             package=rec.package,
@@ -587,6 +590,9 @@ class Registry:
             package_version=rec.package_version,
             hookspec_versions=rec.spec_versions,
             declared_capabilities=capabilities,
+            _device_memory=(lambda index: memory(device_index=index)) if memory is not None else None,
+            _limit_device_memory=(lambda index, nbytes: limit(device_index=index, nbytes=nbytes))
+            if limit is not None else None,
         )
 
     def reset(self) -> None:

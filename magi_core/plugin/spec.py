@@ -13,7 +13,9 @@ or argument is never removed or re-typed within a major version. Each hook says 
 ``.. versionadded::`` the spec version it appeared in, and whether it is required or optional (and
 the default magi-core uses when an optional hook is absent). Spec 1.1 added :func:`magi_capabilities`
 (optional): a backend written against 1.0 keeps working and gets the safe default (eager units, no
-direct calls of generated code).
+direct calls of generated code). Spec 1.2 added :func:`magi_device_memory` and :func:`magi_limit_device_memory`
+(optional): without them the device's free memory is read from the device module's ``mem_get_info`` and a cap
+on the process's device memory is refused with a clear error.
 
 The device-module contract (what :func:`magi_device_module` returns) is spelled out by
 :data:`DEVICE_MODULE_REQUIRED` (selection fails without them) and :data:`DEVICE_MODULE_EXPECTED` (magi-core
@@ -36,8 +38,9 @@ PROJECT = "magi"
 #: The entry-point group backends register under; the entry point's name is the backend's name.
 ENTRY_POINT_GROUP = "magi.backends"
 #: Version of this hook specification (major.minor). Backends list the majors they support. 1.1 added the
-#: optional :func:`magi_capabilities`.
-HOOKSPEC_VERSION = "1.1"
+#: optional :func:`magi_capabilities`; 1.2 the optional :func:`magi_device_memory` and
+#: :func:`magi_limit_device_memory`.
+HOOKSPEC_VERSION = "1.2"
 #: Hooks a backend must implement; the rest are optional with documented defaults.
 REQUIRED_HOOKS = (
     "magi_probe",
@@ -145,6 +148,33 @@ class Capabilities:
             raise ValueError("Capabilities(direct_unit_calls=True) needs inductor=True (they call Inductor code)")
         if self.reason is not None and not isinstance(self.reason, str):
             raise TypeError(f"Capabilities.reason must be a str or None, got {self.reason!r}")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Device memory as this process sees it: what it can still allocate, and the capacity it may use.
+
+    Returned by :func:`magi_device_memory` and ``Backend.device_memory()``; the planner takes a default device budget
+    from it. Both fields are whole bytes with ``0 <= free <= total``; anything else raises ``ValueError`` (or
+    ``TypeError``) when constructed.
+
+    .. versionadded:: 1.2
+    """
+
+    #: Bytes this process can still allocate on the device: the device's free bytes plus what torch's caching
+    #: allocator holds reserved but unused, limited by any cap set on the process (``cap - allocated``).
+    free: int
+    #: The capacity this process sees: the device's total memory, or the cap when one is set
+    #: (:func:`magi_limit_device_memory`).
+    total: int
+
+    def __post_init__(self) -> None:
+        for name in ("free", "total"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"DeviceMemory.{name} must be an int (bytes), got {value!r}")
+        if not 0 <= self.free <= self.total:
+            raise ValueError(f"DeviceMemory needs 0 <= free <= total, got free={self.free}, total={self.total}")
 
 
 @hookspec(firstresult=True)
@@ -338,6 +368,54 @@ def magi_capabilities() -> Capabilities:
     """
 
 
+@hookspec(firstresult=True)
+def magi_device_memory(device_index: int) -> DeviceMemory | None:
+    """Report how much device memory this process can still allocate on device ``device_index``, and its capacity.
+
+    Called through ``Backend.device_memory(device)``: by the planner for a default device budget when a model's
+    plan is made, by ``magi_core.limit_device_memory`` for a size given as a percentage, and by ``magi bench`` when
+    it records a run's device. It may initialise the device (it asks the runtime), so it is never called at
+    discovery or selection.
+
+    Optional; default: computed from the device module: ``free, total = mem_get_info(device_index)``, plus
+    ``memory_reserved(device_index) - memory_allocated(device_index)`` (cached by torch's allocator, reusable by
+    this process) where the module has both, free capped at total; None where the module has no ``mem_get_info``
+    or its call raises, and on the host (device type ``"cpu"``). A backend that caps the process
+    (:func:`magi_limit_device_memory`) implements this hook too, so that the cap shows: free is at most
+    ``cap - allocated`` and total is the cap. A result that is neither a :class:`DeviceMemory` nor None raises
+    :class:`~magi_core.errors.BackendError`.
+
+    :param device_index: the device's index (``torch.device(device_type, device_index)``).
+    :returns: a :class:`DeviceMemory` (``free``, ``total``), or None when the backend cannot tell (the CPU backend:
+        host memory is no device budget).
+
+    .. versionadded:: 1.2
+    """
+
+
+@hookspec(firstresult=True)
+def magi_limit_device_memory(device_index: int, nbytes: int) -> None:
+    """Cap this process's allocations on device ``device_index`` at ``nbytes``, to emulate a smaller card.
+
+    Called through ``Backend.limit_device_memory(nbytes, device)`` by :func:`magi_core.limit_device_memory`,
+    ``magi bench --device-memory`` and ``MAGI_DEVICE_MEMORY``, before the process allocates on the device. Past the
+    cap an allocation must fail with the device's own out-of-memory error (``torch.OutOfMemoryError`` where the
+    allocator raises it), as on a card of that size; :func:`magi_device_memory` then reports ``total == nbytes``.
+    A cap at the device's total lifts it; a cap above it raises :class:`~magi_core.errors.BackendError`. CUDA and MUSA
+    set their allocator's ``set_per_process_memory_fraction(nbytes / total, device_index)``
+    (:class:`magi_core.plugin.FractionCap`).
+
+    Optional; default: none, refused: ``Backend.limit_device_memory`` raises
+    :class:`~magi_core.errors.BackendError` saying the backend cannot cap device memory.
+
+    :param device_index: the device's index.
+    :param nbytes: the cap in bytes (> 0).
+    :returns: None; success is returning, failure raises.
+
+    .. versionadded:: 1.2
+    """
+
+
 __all__ = [
     "DEVICE_MODULE_EXPECTED",
     "DEVICE_MODULE_REQUIRED",
@@ -347,6 +425,7 @@ __all__ = [
     "REQUIRED_HOOKS",
     "UNIT_COMPILERS",
     "Capabilities",
+    "DeviceMemory",
     "ProbeResult",
     "hookspec",
 ]

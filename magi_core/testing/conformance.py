@@ -32,7 +32,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from magi_core.errors import ConfigError, HostRegisterError
+from magi_core.errors import BackendError, ConfigError, HostRegisterError
 from magi_core.plugin.check import check_device_module
 from magi_core.plugin.facade import Backend
 from magi_core.plugin.manager import BackendRecord
@@ -43,6 +43,7 @@ from magi_core.plugin.spec import (
     REQUIRED_HOOKS,
     UNIT_COMPILERS,
     Capabilities,
+    DeviceMemory,
     ProbeResult,
 )
 from magi_core.testing.capabilities import allocation_problem
@@ -173,6 +174,98 @@ def test_capabilities(magi_backend: Backend, magi_backend_record: BackendRecord)
     if not caps.inductor:
         with pytest.raises(ConfigError, match="unit_compiler='eager'"):
             magi_backend.resolve_unit_compiler("inductor")
+
+
+def test_device_memory(magi_backend: Backend, magi_backend_record: BackendRecord) -> None:
+    """magi_device_memory (or its default from mem_get_info) reports sane numbers: 0 <= free <= total, total > 0."""
+    implemented = "magi_device_memory" in magi_backend_record.callers
+    hook = "magi_device_memory" if implemented else "magi_device_memory (default: the device module's mem_get_info)"
+    try:
+        seen = magi_backend.device_memory()
+    except BackendError as exc:
+        pytest.fail(f"{hook}: {exc}", pytrace=False)
+    if seen is None:
+        pytest.skip(f"backend {magi_backend.name!r} reports no device memory (None): "
+                    + ("host memory is no device budget" if not magi_backend.is_accelerator else
+                       "implement magi_device_memory (spec 1.2) or give the device module mem_get_info so that "
+                       "offloaded models get a default device budget"))
+    assert isinstance(seen, DeviceMemory)
+    assert seen.total > 0, f"{hook}: total is {seen.total}; report the capacity this process sees, in bytes"
+    assert 0 <= seen.free <= seen.total, f"{hook}: free {seen.free} is not within [0, total {seen.total}]"
+    again = magi_backend.device_memory(magi_backend.device())
+    assert again is not None and again.total == seen.total, \
+        f"{hook}: the current device and its explicit index report different totals ({seen.total}, {again})"
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """True for the device's out-of-memory error (torch.OutOfMemoryError, or a RuntimeError saying so)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def test_limit_device_memory(magi_backend: Backend, magi_backend_record: BackendRecord) -> None:
+    """A cap makes device_memory's total the cap and an allocation past it fails with the device's out-of-memory error;
+    a cap at the device's total lifts it, one above it is refused; skipped where the backend cannot cap."""
+    hook = "magi_limit_device_memory"
+    if hook not in magi_backend_record.callers:
+        with pytest.raises(BackendError, match="cannot cap device memory"):
+            magi_backend.limit_device_memory(1 << 30)
+        pytest.skip(f"backend {magi_backend.name!r} does not implement {hook} (spec 1.2): capping is refused with a "
+                    "clear error, as checked")
+    before = magi_backend.device_memory()
+    if before is None:
+        pytest.fail(f"{hook}: implemented, but magi_device_memory reports nothing (None); implement magi_device_memory "
+                    "so that the cap shows (total == cap)", pytrace=False)
+    module = magi_backend.device_module
+    reserved = getattr(module, "memory_reserved", module.memory_allocated)
+    cap = int(reserved()) + (256 << 20)
+    if cap >= before.total:
+        pytest.skip(f"the device has {before.total} B, too little to cap below it at {cap} B for the check")
+    raised: str | None = None
+    try:
+        magi_backend.limit_device_memory(cap)
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    if raised is not None:
+        pytest.fail(f"{hook}: capping at {cap} B of {before.total} raised {raised}", pytrace=False)
+    try:
+        seen = magi_backend.device_memory()
+        assert seen is not None and seen.total == cap, (
+            f"magi_device_memory: after a cap of {cap} B it reports {seen}; report the cap as total (and free within "
+            "cap - allocated)")
+        left = cap - int(module.memory_allocated())
+        assert seen.free <= left, f"magi_device_memory: free {seen.free} B after a cap leaving {left} B; limit free"
+        if allocation_problem(magi_backend) is None:
+            small = torch.empty(64 << 20, dtype=torch.uint8, device=magi_backend.device())
+            failed: BaseException | None = None
+            try:
+                torch.empty(left + (64 << 20), dtype=torch.uint8, device=magi_backend.device())
+            except Exception as exc:
+                failed = exc
+            del small
+            assert failed is not None, (
+                f"{hook}: capped at {cap} B, an allocation of {left + (64 << 20)} B (more than the cap leaves) "
+                "succeeded; make allocations past the cap fail (torch.OutOfMemoryError)")
+            assert _out_of_memory(failed), (
+                f"{hook}: an allocation past the cap raised {type(failed).__name__}: {failed}; raise the device's "
+                "out-of-memory error (torch.OutOfMemoryError)")
+        above: BaseException | None = None
+        try:
+            magi_backend.limit_device_memory(before.total + (1 << 30))
+        except BackendError as exc:
+            above = exc
+        assert above is not None, (
+            f"{hook}: a cap above the device's {before.total} B was accepted; raise BackendError (a cap emulates a "
+            "smaller card, never a larger one)")
+    finally:
+        magi_backend.limit_device_memory(before.total)
+        magi_backend.device_module.synchronize()
+        empty = getattr(magi_backend.device_module, "empty_cache", None)
+        if empty is not None:
+            empty()
+    after = magi_backend.device_memory()
+    assert after is not None and after.total == before.total, (
+        f"{hook}: a cap at the device's total ({before.total} B) must lift the cap; magi_device_memory then reports "
+        f"{after}")
 
 
 def test_host_register_round_trip(magi_backend: Backend) -> None:

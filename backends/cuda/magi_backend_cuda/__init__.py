@@ -11,8 +11,8 @@ from types import ModuleType
 
 import torch
 
-from magi_backend_cuda import ranges, runtime
-from magi_core.plugin import Capabilities, ProbeResult, hookimpl
+from magi_backend_cuda import memory, ranges, runtime
+from magi_core.plugin import Capabilities, DeviceMemory, ProbeResult, hookimpl
 
 __version__ = "0.1.0"
 DEVICE_TYPE = "cuda"
@@ -51,7 +51,7 @@ def magi_probe() -> ProbeResult:
 
 @hookimpl
 def magi_hookspec_versions() -> Sequence[str]:
-    """Spec major 1 (implements 1.1: ``magi_capabilities``)."""
+    """Spec major 1 (implements 1.2: ``magi_capabilities``, ``magi_device_memory``, ``magi_limit_device_memory``)."""
     return ("1",)
 
 
@@ -97,6 +97,18 @@ def magi_range_push(name: str) -> None:
 def magi_range_pop() -> None:
     """Close the innermost NVTX range (no-op when the torch build has no NVTX)."""
     ranges.pop()
+
+
+@hookimpl
+def magi_device_memory(device_index: int) -> DeviceMemory | None:
+    """``torch.cuda.mem_get_info`` plus the allocator's cached unused bytes, within the cap when one is set."""
+    return memory.CAP.device_memory(device_index)
+
+
+@hookimpl
+def magi_limit_device_memory(device_index: int, nbytes: int) -> None:
+    """``torch.cuda.set_per_process_memory_fraction(nbytes / total, device_index)``; the cap is remembered."""
+    memory.CAP.limit(device_index, nbytes)
 
 
 @hookimpl

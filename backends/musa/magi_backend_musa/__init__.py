@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 from magi_backend_musa import ranges, runtime
-from magi_core.plugin import BackendError, Capabilities, ProbeResult, hookimpl
+from magi_core.plugin import BackendError, Capabilities, DeviceMemory, FractionCap, ProbeResult, hookimpl
 
 __version__ = "0.1.0"
 DEVICE_TYPE = "musa"
@@ -49,7 +49,7 @@ def magi_probe() -> ProbeResult:
 
 @hookimpl
 def magi_hookspec_versions() -> Sequence[str]:
-    """Spec major 1 (implements 1.1: ``magi_capabilities``)."""
+    """Spec major 1 (implements 1.2: ``magi_capabilities``, ``magi_device_memory``, ``magi_limit_device_memory``)."""
     return ("1",)
 
 
@@ -104,6 +104,32 @@ def magi_device_module() -> ModuleType:
     if module is None:
         raise BackendError("torch.musa is missing after importing torch_musa; reinstall torch_musa")
     return module
+
+
+def _musa_module() -> ModuleType:
+    """``torch.musa``, looked up when a device-memory hook runs (after selection imported torch_musa)."""
+    module = torch.get_device_module(DEVICE_TYPE)
+    if module is None:
+        raise BackendError("torch.musa is missing; import torch_musa (selecting the musa backend does)")
+    return module
+
+
+#: torch_musa mirrors torch.cuda's allocator API: mem_get_info, memory_reserved / memory_allocated and, in releases
+#: that have it (torch_musa/core/memory.py), set_per_process_memory_fraction; where it lacks the setter the cap is
+#: refused with an error naming it.
+_CAP = FractionCap(DEVICE_TYPE, _musa_module)
+
+
+@hookimpl
+def magi_device_memory(device_index: int) -> DeviceMemory | None:
+    """``torch.musa.mem_get_info`` plus the allocator's cached unused bytes, within the cap when one is set."""
+    return _CAP.device_memory(device_index)
+
+
+@hookimpl
+def magi_limit_device_memory(device_index: int, nbytes: int) -> None:
+    """``torch.musa.set_per_process_memory_fraction(nbytes / total, device_index)`` where torch_musa has it."""
+    _CAP.limit(device_index, nbytes)
 
 
 @hookimpl

@@ -490,3 +490,44 @@ def test_emulated_torch_musa_gets_eager_units_without_initialising_the_device() 
     out = _json_out(proc)
     assert (out["name"], out["auto"], out["direct"], out["init"]) == ("musa", "eager", False, False)
     assert "backend 'musa'" in out["error"] and "unit_compiler='eager'" in out["error"]
+
+
+# -- device memory (spec 1.2): torch_musa mirrors torch.cuda's allocator API ------------------------------------------
+def test_device_memory_and_a_cap_through_torch_musas_memory_fraction() -> None:
+    """Emulated: magi_device_memory reads torch.musa.mem_get_info; magi_limit_device_memory sets the fraction and the
+    cap shows as the total."""
+    proc = run_emulated("""
+        import json, torch, torch_musa
+        import magi_core
+        from magi_core.plugin.manager import get_backend
+        b = get_backend()
+        before = b.device_memory()
+        cap = magi_core.limit_device_memory("12GiB")
+        after = b.device_memory(0)
+        half = magi_core.limit_device_memory("50%")
+        print(json.dumps({"before": [before.free, before.total], "cap": cap, "after": [after.free, after.total],
+                          "fractions": torch_musa.MEMORY_FRACTIONS, "half": half}))
+    """)
+    out = _json_out(proc)
+    gib = 1 << 30
+    assert out["before"] == [80 * gib, 80 * gib]
+    assert out["cap"] == 12 * gib and out["after"] == [12 * gib, 12 * gib]
+    assert out["half"] == 6 * gib  # half of what the process sees now: the 12 GiB card
+    assert out["fractions"] == {"0": 6 / 80}
+
+
+def test_a_torch_musa_without_the_memory_fraction_refuses_the_cap_clearly() -> None:
+    """Emulated older torch_musa (no set_per_process_memory_fraction): magi_limit_device_memory names what is
+    missing."""
+    proc = run_emulated("""
+        import json
+        import magi_core
+        from magi_core.errors import BackendError
+        try:
+            magi_core.limit_device_memory(1 << 30)
+        except BackendError as exc:
+            print(json.dumps({"error": str(exc)}))
+    """, env={"FAKE_MUSA_NO_MEMORY_FRACTION": "1"})
+    error = _json_out(proc)["error"]
+    assert error.startswith("backend musa cannot cap device memory: torch_musa has no set_per_process_memory_fraction")
+    assert "upgrade it" in error

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from magi_core.plugin import BackendError, Capabilities, HostRangeTable, ProbeResult, hookimpl
+from magi_core.plugin import BackendError, Capabilities, DeviceMemory, HostRangeTable, ProbeResult, hookimpl
 
 DEVICE_TYPE = "magidev"
 #: Below the CPU backend (0): only selected by name.
@@ -113,6 +113,27 @@ def magi_range_pop() -> None:
 def magi_capabilities() -> Capabilities:
     """Eager units, wrapped calls: torch's Inductor has no code generator for magidev (decided without the device)."""
     return Capabilities(reason="torch's Inductor has no code generator for magidev: units run eagerly")
+
+
+@hookimpl
+def magi_device_memory(device_index: int) -> DeviceMemory | None:
+    """``torch.magidev.mem_get_info``: the device's capacity (the process's cap, when set) and what is left of it.
+
+    magidev has no caching allocator (a freed block is released at once), so nothing cached is added to free.
+    """
+    free, total = torch.get_device_module(DEVICE_TYPE).mem_get_info(device_index)
+    return DeviceMemory(free=int(free), total=int(total))
+
+
+@hookimpl
+def magi_limit_device_memory(device_index: int, nbytes: int) -> None:
+    """``torch.magidev.set_per_process_memory_fraction(nbytes / total)``: past it allocations raise OutOfMemoryError."""
+    module = torch.get_device_module(DEVICE_TYPE)
+    total = int(module.total_memory(device_index))
+    if nbytes > total:
+        raise BackendError(f"backend magidev cannot cap magidev:{device_index} at {nbytes} B: the device has {total} B "
+                           "(MAGIDEV_TOTAL_MEMORY); give at most that, or raise MAGIDEV_TOTAL_MEMORY")
+    module.set_per_process_memory_fraction(min(1.0, nbytes / total), device_index)
 
 
 @hookimpl

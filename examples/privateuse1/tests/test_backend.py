@@ -67,6 +67,27 @@ def test_selection_binds_torch_magidev(backend):
     assert not {"magi_range_push", "magi_range_pop", "magi_to_method_aliases"} & set(missing)
 
 
+def test_device_memory_hooks_cap_the_device(backend):
+    """magi_device_memory reads torch.magidev.mem_get_info; magi_limit_device_memory caps it (a smaller card)."""
+    from magi_core.errors import BackendError
+    from magi_core.plugin import DeviceMemory
+
+    torch_magidev.synchronize()
+    total = torch_magidev.total_memory()
+    held = torch_magidev.memory_allocated()
+    assert magi_backend_magidev.magi_device_memory(device_index=0) == DeviceMemory(free=total - held, total=total)
+    magi_backend_magidev.magi_limit_device_memory(device_index=0, nbytes=held + (4 << 20))
+    try:
+        assert backend.device_memory() == DeviceMemory(free=4 << 20, total=held + (4 << 20))
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(5 << 20, dtype=torch.uint8, device="magidev")
+        with pytest.raises(BackendError, match="cannot cap magidev:0 at .* MAGIDEV_TOTAL_MEMORY"):
+            backend.limit_device_memory(total + 1)
+    finally:
+        backend.limit_device_memory(total)
+    assert backend.device_memory().total == total
+
+
 def test_host_register_round_trip_uses_the_runtime_table(backend):
     buf = torch.empty(1 << 16, dtype=torch.uint8)
     ptr = buf.data_ptr()

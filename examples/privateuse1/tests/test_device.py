@@ -249,6 +249,36 @@ def test_memory_counters_track_live_bytes():
     assert torch_magidev.max_memory_allocated() == base
 
 
+def test_a_memory_fraction_caps_the_process_like_a_smaller_card():
+    """set_per_process_memory_fraction: past the cap an allocation (a factory, a copy, an op's output) raises
+    torch.OutOfMemoryError and nothing is counted; mem_get_info reports the cap; 1.0 lifts it."""
+    torch_magidev.synchronize()
+    total = torch_magidev.total_memory()
+    held = torch_magidev.memory_allocated()
+    cap = held + (8 << 20)
+    torch_magidev.set_per_process_memory_fraction(cap / total)
+    try:
+        assert torch_magidev.mem_get_info() == (8 << 20, cap)
+        assert torch_magidev.get_per_process_memory_fraction() == pytest.approx(cap / total)
+        a = torch.empty(6 << 20, dtype=torch.uint8, device="magidev")
+        for make in (lambda: torch.empty(4 << 20, dtype=torch.uint8, device="magidev"),
+                     lambda: torch.ones(4 << 20, dtype=torch.uint8).to("magidev"),
+                     lambda x=a: torch.cat([x, x])):
+            with pytest.raises(torch.OutOfMemoryError, match="magidev out of memory.*capped at"):
+                make()
+            assert torch_magidev.memory_allocated() == held + (6 << 20)
+        b = a[: 1 << 20] + 1  # 1 MiB more still fits
+        assert torch_magidev.mem_get_info() == ((8 << 20) - (7 << 20), cap)
+        del a, b
+    finally:
+        torch_magidev.set_per_process_memory_fraction(1.0)
+    assert torch_magidev.mem_get_info()[1] == total and torch_magidev.get_per_process_memory_fraction() == 1.0
+    with pytest.raises(ValueError, match="Allowed range"):
+        torch_magidev.set_per_process_memory_fraction(1.5)
+    with pytest.raises(TypeError, match="must be `float`"):
+        torch_magidev.set_per_process_memory_fraction(1)
+
+
 def test_runtime_host_register_error_codes():
     rt = torch_magidev.runtime()
     buf = torch.empty(4096, dtype=torch.uint8)

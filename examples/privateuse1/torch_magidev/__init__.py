@@ -19,6 +19,9 @@ Not emulated: asynchrony (``non_blocking`` copies complete at once), Inductor / 
 autocast, and resizing a magidev tensor in place. One PrivateUse1 backend per process: importing this after
 another extension (torch_musa, ...) renamed PrivateUse1 raises.
 
+Device memory is finite: ``MAGIDEV_TOTAL_MEMORY`` per device, or less where the process capped itself with
+:func:`set_per_process_memory_fraction`; an allocation past it raises ``torch.OutOfMemoryError``.
+
 Environment: ``MAGIDEV_DEVICE_COUNT`` (default 1), ``MAGIDEV_TOTAL_MEMORY`` (bytes, default 16 GiB),
 ``MAGIDEV_STRICT=1`` (checker violations raise), ``MAGIDEV_CHECK=0`` (checker off).
 """
@@ -37,6 +40,7 @@ from torch_magidev._state import DEVICE_TYPE, is_initialized
 from torch_magidev.checker import StreamOrderError, Violation
 from torch_magidev.memory import (
     empty_cache,
+    get_per_process_memory_fraction,
     live_blocks,
     max_memory_allocated,
     max_memory_reserved,
@@ -44,7 +48,9 @@ from torch_magidev.memory import (
     memory_allocated,
     memory_reserved,
     reset_peak_memory_stats,
+    set_per_process_memory_fraction,
     stats,
+    total_memory,
 )
 from torch_magidev.runtime import RUNTIME, Runtime
 from torch_magidev.streams import Event, Stream, current_stream, default_stream, set_stream, stream, synchronize
@@ -186,8 +192,9 @@ _install()
 __all__ = [
     "DEVICE_TYPE", "EMULATED", "Event", "MagidevTensor", "Runtime", "Stream", "StreamOrderError", "Violation",
     "checker", "current_device", "current_stream", "default_stream", "device", "device_count", "empty_cache",
-    "get_device_name", "get_rng_state", "initial_seed", "is_available", "is_initialized", "live_blocks",
-    "manual_seed", "manual_seed_all", "max_memory_allocated", "max_memory_reserved", "mem_get_info",
-    "memory_allocated", "memory_reserved", "reset_peak_memory_stats", "runtime", "seed", "seed_all",
-    "set_device", "set_rng_state", "set_stream", "stats", "stream", "synchronize",
+    "get_device_name", "get_per_process_memory_fraction", "get_rng_state", "initial_seed", "is_available",
+    "is_initialized", "live_blocks", "manual_seed", "manual_seed_all", "max_memory_allocated", "max_memory_reserved",
+    "mem_get_info", "memory_allocated", "memory_reserved", "reset_peak_memory_stats", "runtime", "seed", "seed_all",
+    "set_device", "set_per_process_memory_fraction", "set_rng_state", "set_stream", "stats", "stream",
+    "synchronize", "total_memory",
 ]

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from magi_core.plugin import SUCCESS, Capabilities, HostRangeTable, ProbeResult, hookimpl
+from magi_core.plugin import SUCCESS, Capabilities, DeviceMemory, HostRangeTable, ProbeResult, hookimpl
 from magi_core.plugin.cpu import device as cpu_device
 
 #: Host memory needs no pinning for host compute: the table checks ranges and keeps the bookkeeping.
@@ -54,6 +54,12 @@ def magi_capabilities() -> Capabilities:
     """Inductor compiles for the host, but "auto" stays eager (compiling costs more than it saves on small host
     runs); units compiled with ``unit_compiler="inductor"`` may be called directly (host code, host tensors)."""
     return Capabilities(inductor=True, default_unit_compiler="eager", direct_unit_calls=True)
+
+
+@hookimpl
+def magi_device_memory(device_index: int) -> DeviceMemory | None:
+    """None: host memory is no device budget (weights are used in place; there is nothing to fit)."""
+    return None
 
 
 @hookimpl

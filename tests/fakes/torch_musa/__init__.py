@@ -30,6 +30,7 @@ Environment knobs (read at import):
   ``FAKE_MUSA_NO_HOST_REGISTER=1``: surface 2.7.0 without the host-register bindings (ctypes fallback path).
   ``FAKE_MUSA_MEMLOCK_BYTES=N``: musaHostRegister refuses (2, "out of memory") past N registered bytes, as a
   memlock limit makes it.
+  ``FAKE_MUSA_NO_MEMORY_FRACTION=1``: no ``set_per_process_memory_fraction`` (torch_musa releases before it).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ EMULATED = True
 _DEVICE_COUNT = int(os.environ.get("FAKE_MUSA_DEVICE_COUNT", "1"))
 _HAS_HOST_REGISTER = os.environ.get("FAKE_MUSA_NO_HOST_REGISTER", "") in ("", "0")
 _MEMLOCK_BYTES = int(os.environ["FAKE_MUSA_MEMLOCK_BYTES"]) if os.environ.get("FAKE_MUSA_MEMLOCK_BYTES") else None
+_HAS_MEMORY_FRACTION = os.environ.get("FAKE_MUSA_NO_MEMORY_FRACTION", "") in ("", "0")
 
 # musaError numbers (same as CUDA's cudaError_t for these cases).
 MUSA_SUCCESS = 0
@@ -264,6 +266,25 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
     """(free, total) bytes of the emulated device (initialises)."""
     _lazy_init()
     return _FAKE_TOTAL, _FAKE_TOTAL
+
+
+#: Emulation only: the allocator fraction set per device (device index -> fraction).
+MEMORY_FRACTIONS: dict[int, float] = {}
+
+
+def _set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    """torch_musa's ``set_per_process_memory_fraction``: the caching allocator's cap, ``fraction`` of the total."""
+    _lazy_init()
+    index = _current_device if device is None else device if isinstance(device, int) else torch.device(device).index
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
+    if fraction < 0 or fraction > 1:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    MEMORY_FRACTIONS[int(index or 0)] = fraction
+
+
+if _HAS_MEMORY_FRACTION:
+    set_per_process_memory_fraction = _set_per_process_memory_fraction
 
 
 # -- runtime: libmusart.so's state, torch_musa's bindings over it, an emulated kernel launch ----------------------
