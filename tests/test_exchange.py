@@ -66,6 +66,12 @@ def test_weights_that_differ_between_ranks_are_copied_whole(two_ranks: list[dict
         assert differ["type"] == "ExchangeTransfer"
 
 
+def test_a_weight_rebound_on_one_rank_after_planning_is_agreed_again(two_ranks: list[dict]) -> None:
+    for rec in two_ranks:
+        assert "error" not in rec["rebind"], rec["rebind"]
+        assert rec["rebind"]["err"] < 1e-5, "each rank computes with its own weights after the rebind"
+
+
 def test_ranks_that_disagree_on_the_plan_fail_instead_of_hanging(two_ranks: list[dict]) -> None:
     for rec in two_ranks:
         assert "different offload plan" in rec["disagree"], rec["disagree"]

@@ -2,7 +2,8 @@
 
 Scenarios (in order, all ranks together): ``same`` (identical weights: every batch exchanged, outputs equal
 to the plain per-rank path bit for bit, half the host bytes per rank), ``differ`` (rank-specific weights in
-one block, MAGI_EP_SIZE hint: those batches copied whole, each rank equals its own model), ``disagree``
+one block, MAGI_EP_SIZE hint: those batches copied whole, each rank equals its own model), ``rebind`` (one rank
+rebinds a weight's ``.data`` after planning: agreed again, each rank equals its own model), ``disagree``
 (different plans: an error on every rank, no hang), ``dead`` (a rank leaves: the other gets an error within
 the exchange timeout). Writes ``rank<r>.json`` under ``--out``.
 """
@@ -78,6 +79,27 @@ def main() -> None:
     finally:
         del os.environ["MAGI_EP_SIZE"]
     rec["differ"] = {"err": float((out - own_expect).abs().max()), **stats}
+
+    # a weight rebound after planning on one rank (param.data = new, outside the shared file): the step agreement
+    # sees the new data and that batch is copied whole on that rank; every rank still equals its own model
+    torch._dynamo.reset()
+    model, mine = build_transformer(SPEC), build_transformer(SPEC)
+    magi_core.offload(model, base.replace(exchange="on"))
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                model(x)
+            if rank == 1:
+                for m in (model, mine):
+                    w = m.blocks[1].mlp.up.weight  # type: ignore[index]
+                    w.data = w.data * -0.5
+            expect_mine = mine(x)
+            outs = [model(x) for _ in range(3)]
+        rec["rebind"] = {"err": max(float((o - expect_mine).abs().max()) for o in outs)}
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to check
+        rec["rebind"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        magi_core.release(model)
 
     # different plans: an error on every rank, not a hang
     torch._dynamo.reset()
