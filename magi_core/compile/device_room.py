@@ -52,8 +52,7 @@ class DeviceRoom:
 
 def device_room(backend: Backend, device: torch.device, held: int, activations: int) -> DeviceRoom | None:
     """The device's room now, or None when the backend cannot say how much memory its device has."""
-    query = getattr(backend, "device_memory", None)  # TEMP until the facade method lands
-    info = query(device) if query is not None else None
+    info = backend.device_memory(device)
     if info is None:
         return None
     return DeviceRoom(free=int(info.free), total=int(info.total), held=held, activations=activations)
