@@ -78,3 +78,13 @@ def test_peak_device_bytes_within_budget_plus_two_units(results):
             assert step["peak"] <= step["budget"], (r["model"], r["policy"], r["ratio"], step["peak"], step["budget"])
             # after a step only resident weights and the next step's prefetch stay alive
             assert step["alive_after"] == step["resident_bytes"] + step["carry_bytes"]
+
+
+def test_measured_step_holds_no_more_than_the_plan_predicts(results):
+    """``stats()``'s measured peak of a planned step stays within its predicted peak (plus one unit where the
+    transfer allocates per copy: the host may run a unit ahead of the plan's working set)."""
+    for r in results:
+        assert r["predicted_peak_bytes"] is not None and r["measured_peak_bytes"] is not None, r["model"]
+        slack = r["largest_unit"] if r["allocates"] else 0
+        assert r["measured_peak_bytes"] <= r["predicted_peak_bytes"] + slack, (
+            r["model"], r["policy"], r["ratio"], r["measured_peak_bytes"], r["predicted_peak_bytes"])

@@ -148,7 +148,7 @@ class OffloadLifecycle:
     def _planned_call(self, args: Sequence[Any]) -> Any:
         """A planned step; the second one after planning is measured (the first fills resident copies)."""
         if self._measure_steps == 1 and self._meter.available:
-            held = self._own_bytes()
+            held = self._held_now()
             with self._meter.measure():
                 self._meter.peak = 0
                 out = self.executor.run(args, None)
@@ -212,6 +212,19 @@ class OffloadLifecycle:
         resident = 0 if actions is None else int(actions.resident_bytes)
         buffer = int(getattr(self.executor.transfer, "buffer_bytes", 0))
         return resident + (buffer or self._plan_peak(self.executor.plan, streamed_only=True))
+
+    def _held_now(self) -> int:
+        """Device bytes this runtime holds between steps: resident copies, the copy buffer, or (a transfer that
+        allocates per copy) the next step's copies carried over."""
+        ex = self.executor
+        actions = ex.actions
+        if actions is None:
+            return 0
+        held = int(actions.resident_bytes) + int(getattr(ex.transfer, "buffer_bytes", 0))
+        if ex.transfer.allocates:
+            sizes = {w.input_index: w.nbytes for u in ex.units for w in u.weights}
+            held += sum(sizes[w] for b in actions.carry for w in actions.batches[b])
+        return held
 
     @staticmethod
     def _plan_peak(plan: Plan | None, streamed_only: bool = False) -> int:
