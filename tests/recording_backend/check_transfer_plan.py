@@ -75,6 +75,9 @@ def steady_facts(f, args, ex, base0: int, ref: torch.Tensor) -> dict:
         "waits_on_copy_events_only": all(recorded_events.get(w[2]) == copy_stream for w in compute_waits),
         "copy_waits_on_compute_events_only": all(recorded_events.get(w[2]) != copy_stream for w in copy_waits),
         "copies_gated_at_their_unit": all(g == c[0] for g, c in zip(gates, copies, strict=True) if c[0] > 0),
+        # copies issued at step start, before any unit: ordered after the compute stream's queued work (a fixed
+        # place may still be read by the previous step's last units), so the copy stream waited on a compute event
+        "start_copies_gated": all(g is not None for g, c in zip(gates, copies, strict=True) if c[0] == 0),
         "n_waits": len(compute_waits),
         "n_copy_waits": len(copy_waits),
         "peak": device.max_memory_allocated() - base0,
@@ -86,13 +89,14 @@ def steady_facts(f, args, ex, base0: int, ref: torch.Tensor) -> dict:
     }
 
 
-def run(name: str, model: torch.nn.Module, args: tuple, policy: str, ratio: float) -> dict:
+def run(name: str, model: torch.nn.Module, args: tuple, policy: str, ratio: float, transfer: str = "auto") -> dict:
     torch._dynamo.reset()
     gc.collect()
     base0 = device.memory_allocated()
     h = OffloadHandle(name)
     f = torch.compile(model, backend=h.backend, options={
-        "policy": policy, "gpu_resident_weight_ratio": ratio, "unit_compiler": "eager", "warmup_calls": 2})
+        "policy": policy, "gpu_resident_weight_ratio": ratio, "unit_compiler": "eager", "warmup_calls": 2,
+        "transfer": transfer})
     with torch.no_grad():
         ref = model(*args)
     f(*args)
@@ -113,6 +117,7 @@ def run(name: str, model: torch.nn.Module, args: tuple, policy: str, ratio: floa
         "measured_peak_bytes": rt.measured_peak_bytes,
         "largest_unit": max(u.nbytes for u in ex.units),
         "allocates": bool(ex.transfer.allocates),
+        "transfer": type(ex.transfer).__name__,
         "match": bool(torch.allclose(out, ref, rtol=1e-5, atol=1e-5)),
         "resident_weights": len(ex.actions.resident),
         "first_planned_copies": len(first),
@@ -135,6 +140,10 @@ def main() -> None:
     print(json.dumps(run("tied", lm, (ids,), "HEURISTIC", 0.5)), flush=True)
     table = TableStack().eval()  # a small buffer every unit reads, owned by the first layer's unit
     print(json.dumps(run("table", table, (torch.randn(3, 64),), "HEURISTIC", 0.0)), flush=True)
+    # fixed places in one buffer: the tied model's first unit cannot be carried over (its embedding is in use during
+    # the last unit), so its copy is issued at step start and must be gated there
+    print(json.dumps(run("transformer", tf, (x,), "HEURISTIC", 0.5, transfer="unit")), flush=True)
+    print(json.dumps(run("tied", lm, (ids,), "BASE", 0.0, transfer="unit")), flush=True)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,9 @@ class _CopyRecorder(TorchFunctionMode):
             _peak = max(_peak, _alive)
             weakref.finalize(out, _free, nbytes)
             return out
+        if func is torch.Tensor.copy_ and len(args) > 1:  # into memory that already exists (a planned place)
+            src = args[1]
+            LOG.append(("copy", src.data_ptr(), src.nbytes, self.sid, bool(kwargs.get("non_blocking", False))))
         return func(*args, **kwargs)
 
 
