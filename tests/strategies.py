@@ -6,7 +6,8 @@ A :class:`ModelSpec` describes a model as op chains: ``pre`` ops, one block's op
 such as an RMSNorm ``eps`` are lifted into 0-dim CPU inputs) and runs a callback inside the backend,
 where Dynamo's ``grapharg`` metadata still exists. :func:`build_fx_graph` builds the same kind of
 chain directly with ``torch.fx`` (``to`` / ``orig_to`` with every device spelling, factories with
-``device=cpu``), with fake ``example_value`` metadata like Dynamo's.
+``device=cpu``), with fake ``example_value`` metadata like Dynamo's. A :class:`StacksSpec` describes a
+model with several stacks of repeated blocks of different classes (:func:`build_stacks_model`).
 """
 
 from __future__ import annotations
@@ -188,6 +189,215 @@ def model_inputs(spec: ModelSpec) -> tuple[torch.Tensor, ...]:
 def build_model(spec: ModelSpec) -> RandomModel:
     """The eval-mode model for ``spec``."""
     return RandomModel(spec).eval()
+
+
+# -- models with several stacks of repeated blocks --------------------------------------------------
+#: Block classes a generated stack may hold: ``dual`` maps two streams ``(a, b)`` to two (Flux's double blocks,
+#: returning a tuple), ``single`` and ``gated`` map one stream (the two streams concatenated, as Flux's single
+#: blocks do). Every kind is its own class.
+STACK_KINDS = ("dual", "single", "gated")
+#: What runs between two stacks besides joining or parting the streams: ``norm`` and ``proj`` read weights.
+GLUE_KINDS = ("none", "norm", "proj", "cast")
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """One stack: its block kind, how many blocks, and what its blocks and the glue before it hold."""
+
+    kind: str
+    n_blocks: int
+    #: Each block holds a ``ModuleList`` of two linears (a container nested in the block).
+    nested: bool = False
+    #: Each block reads the root's shared weight (one weight used by several units and stacks).
+    shared: bool = False
+    #: Glue before the stack (after the previous one, or after the embedding for the first).
+    glue: str = "none"
+
+
+@dataclass(frozen=True)
+class StacksSpec:
+    """A model of 1-3 stacks ``s0``, ``s1``, ... with glue around them; the head may be tied to the embedding."""
+
+    dim: int
+    batch: int
+    vocab: int
+    stacks: tuple[StackSpec, ...]
+    tie_head: bool = False
+    seed: int = 0
+
+
+@st.composite
+def stacks_specs(draw: st.DrawFn, *, max_stacks: int = 3, max_blocks: int = 3) -> StacksSpec:
+    """Random :class:`StacksSpec` values (small sizes; two stacks may hold blocks of one class, as T5's do)."""
+    kinds = draw(st.lists(st.sampled_from(STACK_KINDS), min_size=1, max_size=max_stacks))
+    stacks = tuple(
+        StackSpec(
+            kind=kind,
+            n_blocks=draw(st.integers(2, max_blocks)),
+            nested=draw(st.booleans()),
+            shared=draw(st.booleans()),
+            glue=draw(st.sampled_from(GLUE_KINDS)),
+        )
+        for kind in kinds
+    )
+    return StacksSpec(
+        dim=draw(st.sampled_from([4, 8])),
+        batch=draw(st.integers(1, 3)),
+        vocab=draw(st.integers(3, 9)),
+        stacks=stacks,
+        tie_head=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _linear(dim_in: int, dim_out: int, gen: torch.Generator, bias: bool = True) -> nn.Linear:
+    lin = nn.Linear(dim_in, dim_out, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(dim_out, dim_in, generator=gen) / dim_in**0.5)
+        if lin.bias is not None:
+            lin.bias.copy_(torch.randn(dim_out, generator=gen) / 4)
+    return lin
+
+
+class _BlockBase(nn.Module):
+    """What every generated block may hold: a nested ``ModuleList`` and the root's shared weight."""
+
+    def __init__(self, spec: StackSpec, dim: int, shared: nn.Parameter, gen: torch.Generator) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(_linear(dim, dim, gen) for _ in range(2)) if spec.nested else None
+        self.shared = [shared] if spec.shared else []  # a plain list: the root owns the shared weight
+
+    def extra(self, h: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            for part in self.parts:
+                h = torch.tanh(part(h))
+        if self.shared:
+            h = h + h @ self.shared[0].t()
+        return h
+
+
+class DualBlock(_BlockBase):
+    """Two streams in, two out (a tuple), like Flux's dual-stream blocks."""
+
+    def __init__(self, spec: StackSpec, dim: int, shared: nn.Parameter, gen: torch.Generator) -> None:
+        super().__init__(spec, dim, shared, gen)
+        self.to_a = _linear(dim, dim, gen)
+        self.to_b = _linear(dim, dim, gen)
+        self.out = _linear(dim, dim, gen)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.extra(torch.tanh(self.to_a(a) + self.to_b(b)))
+        return a + self.out(h), b + h
+
+
+class SingleBlock(_BlockBase):
+    """One stream: a residual MLP."""
+
+    def __init__(self, spec: StackSpec, dim: int, shared: nn.Parameter, gen: torch.Generator) -> None:
+        super().__init__(spec, dim, shared, gen)
+        self.up = _linear(dim, 2 * dim, gen)
+        self.down = _linear(2 * dim, dim, gen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.extra(self.down(torch.tanh(self.up(x))))
+
+
+class GatedBlock(_BlockBase):
+    """One stream: a gate."""
+
+    def __init__(self, spec: StackSpec, dim: int, shared: nn.Parameter, gen: torch.Generator) -> None:
+        super().__init__(spec, dim, shared, gen)
+        self.gate = _linear(dim, dim, gen, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.extra(self.gate(x)))
+
+
+_BLOCKS: dict[str, type[_BlockBase]] = {"dual": DualBlock, "single": SingleBlock, "gated": GatedBlock}
+
+
+class _Glue(nn.Module):
+    """Glue before a stack, applied to each stream: an RMS norm, a projection, or a dtype round trip."""
+
+    def __init__(self, kind: str, dim: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.kind = kind
+        self.eps = 1e-6
+        self.weight = nn.Parameter(1 + torch.rand(dim, generator=gen)) if kind == "norm" else None
+        self.proj = _linear(dim, dim, gen) if kind == "proj" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        if self.proj is not None:
+            return self.proj(x)
+        if self.kind == "cast":
+            return x.to(torch.float16).to(torch.float32)
+        return x
+
+
+class StacksModel(nn.Module):
+    """The model a :class:`StacksSpec` describes: embedding, stacks ``s0``, ``s1``, ... with glue, norm, head.
+
+    Streams: ``a`` (tokens) and ``b`` (a projected context). A one-stream stack runs on ``cat([a, b])``
+    (glue, as Flux joins its streams before the single blocks); a two-stream stack after one parts them again.
+    """
+
+    def __init__(self, spec: StacksSpec) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(spec.seed)
+        d = spec.dim
+        self.spec = spec
+        self.shared = nn.Parameter(torch.randn(d, d, generator=gen) / d)
+        self.embed = nn.Embedding(spec.vocab, d)
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.randn(spec.vocab, d, generator=gen))
+        self.context = _linear(d, d, gen)
+        for k, stack in enumerate(spec.stacks):
+            # named attributes, not a list: a list of glue modules would be a stack of its own
+            setattr(self, f"glue{k}", _Glue(stack.glue, d, gen))
+            setattr(self, f"s{k}", nn.ModuleList(
+                _BLOCKS[stack.kind](stack, d, self.shared, gen) for _ in range(stack.n_blocks)
+            ))
+        self.norm_out = _Glue("norm", d, gen)
+        self.head = _linear(d, spec.vocab, gen, bias=False)
+        if spec.tie_head:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        a = self.embed(ids)
+        b = self.context(context)
+        x: torch.Tensor | None = None  # the joined stream while one-stream stacks run
+        for k, stack in enumerate(self.spec.stacks):
+            glue = getattr(self, f"glue{k}")
+            blocks = getattr(self, f"s{k}")
+            if stack.kind == "dual":
+                if x is not None:
+                    a, b = x.chunk(2, dim=0)
+                    x = None
+                a, b = glue(a), glue(b)
+                for block in blocks:
+                    a, b = block(a, b)
+            else:
+                x = glue(torch.cat([a, b], dim=0) if x is None else x)
+                for block in blocks:
+                    x = block(x)
+        out = a + b if x is None else x
+        return self.head(self.norm_out(out))
+
+
+def stacks_inputs(spec: StacksSpec) -> tuple[torch.Tensor, ...]:
+    """Inputs for :class:`StacksModel`: token ids and a context."""
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    return (
+        torch.randint(0, spec.vocab, (spec.batch,), generator=gen),
+        torch.randn(spec.batch, spec.dim, generator=gen),
+    )
+
+
+def build_stacks_model(spec: StacksSpec) -> StacksModel:
+    """The eval-mode model for ``spec``."""
+    return StacksModel(spec).eval()
 
 
 # -- Dynamo tracing ---------------------------------------------------------------------------------

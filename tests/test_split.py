@@ -13,7 +13,7 @@ from torch import nn
 
 from magi_core.errors import MagiError
 from magi_core.passes.blocks import module_path_tokens
-from magi_core.passes.split import split_into_units
+from magi_core.passes.split import DEFAULT_MAX_UNIT_BYTES, split_into_units
 from magi_core.passes.units import SplitGraph
 from magi_core.passes.weights import node_value
 
@@ -75,7 +75,8 @@ def test_one_unit_per_block_with_pre_and_post() -> None:
     """Three blocks give pre, layers.0-2, post; weights map to the unit that uses them."""
     split, _, inputs = _split(Net(3), IDS)
     assert [u.label for u in split.units] == ["pre", "layers.0", "layers.1", "layers.2", "post"]
-    assert split.container == "layers"
+    assert split.container == "layers" and split.containers == ("layers",)
+    assert split.max_unit_bytes == 8 * 8 * 4 + 8 * 4  # automatic: the largest block
     assert [len(u.weights) for u in split.units] == [1, 2, 2, 2, 1]
     for u in split.units[1:4]:
         assert u.nbytes == 8 * 8 * 4 + 8 * 4
@@ -150,10 +151,10 @@ class NoBlocks(nn.Module):
 
 
 def test_no_blocks_and_no_weights() -> None:
-    """A graph without repeated blocks is one unit; a unit without weights is fine."""
+    """A graph without repeated blocks under the default cap is one unit; a unit without weights is fine."""
     split, _, _ = _split(NoBlocks(), torch.randn(4, 3), torch.tensor([3, 1]))
     assert len(split.units) == 1 and split.units[0].weights == () and split.weights == {}
-    assert split.container is None
+    assert split.container is None and split.containers == () and split.max_unit_bytes == DEFAULT_MAX_UNIT_BYTES
 
 
 class WithBuffers(nn.Module):

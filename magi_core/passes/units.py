@@ -31,7 +31,8 @@ class OffloadUnit:
     node: torch.fx.Node
     module: torch.fx.GraphModule
     weights: tuple[WeightSlot, ...]
-    #: What the unit holds, for logs: ``pre``, ``layers.3``, ``layers.0..layers.1``, ``layers.2[1/3]``, ``post``.
+    #: What the unit holds, for logs: ``pre``, ``layers.3``, ``layers.0..layers.1``, ``layers.2[1/3]``, ``glue``
+    #: (between two stacks), ``post``, ``all`` (no blocks).
     label: str = ""
     #: For each of ``weights`` (same order), its position among ``node.args`` / the unit's placeholders.
     weight_arg_positions: tuple[int, ...] = ()
@@ -49,8 +50,13 @@ class SplitGraph:
     graph_module: torch.fx.GraphModule
     units: list[OffloadUnit]
     weights: dict[int, WeightSlot] = field(default_factory=dict)
-    #: Dotted path of the repeated-block container the default split followed (None: none found).
+    #: Dotted path of the main stack of repeated blocks (the one covering most nodes; None: none found).
     container: str | None = None
+    #: Every stack of repeated blocks the split followed, in graph order (``transformer_blocks``, ...).
+    containers: tuple[str, ...] = ()
+    #: The cap on a unit's distinct weight bytes the split used: the given ``max_unit_bytes`` or the automatic
+    #: one (see :mod:`magi_core.passes.split`); None for a ``one_unit`` split.
+    max_unit_bytes: int | None = None
 
     @property
     def weight_bytes(self) -> int:
