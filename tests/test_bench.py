@@ -235,8 +235,9 @@ def test_fresh_copies_share_host_weights_and_start_clean() -> None:
     assert w.weight_bytes == 2 * 2 * 16 * 64 * 2 and w.block_bytes == [2 * 16 * 64 * 2] * 2
 
 
-@pytest.mark.parametrize("kwargs", [{"steps": 9}, {"models": ("gpt",)}, {"ratios": (1.5,)}, {"systems": ("x",)},
-                                    {"dtype": "int8"}, {"warmup": 0}])
+@pytest.mark.parametrize("kwargs", [{"steps": 2}, {"models": ("gpt",)}, {"ratios": (1.5,)}, {"systems": ("x",)},
+                                    {"dtype": "int8"}, {"warmup": 0}, {"device_memory": "lots"},
+                                    {"device_memory": "0%"}])
 def test_bad_options_raise_config_error(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         BenchOptions(**kwargs)
@@ -376,3 +377,95 @@ def test_report_gives_each_document_its_own_plot(cpu_run: tuple[dict[str, Any], 
     assert len(pngs) == 3 and len(set(pngs)) == 3, pngs
     md = (tmp_path / "B.md").read_text()
     assert all(f"]({name})" in md for name in pngs)
+
+
+# -- fitting the card: a device memory cap, magi-core's default config, failures as rows ---------------------------
+def test_magi_default_runs_first_among_magi_with_offload_config_defaults() -> None:
+    from magi_core.bench.systems import _magi_config
+    from magi_core.config import OffloadConfig
+
+    labels = [s.label for s in system_specs(BenchOptions(magi_default=True, systems=("diffusers", "magi")))]
+    assert labels[:3] == ["diffusers", "magi default", "magi HEURISTIC budget=0.5W"]
+    default = SystemSpec("magi")
+    assert default.is_magi_default and not SystemSpec("magi", policy="BASE", ratio=0.0).is_magi_default
+    assert _magi_config(default, 10**9) == OffloadConfig()
+
+
+def test_device_memory_option_is_parsed_and_the_cpu_backend_refuses_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from magi_core.bench import options_from_args
+
+    argv = ["--quick", "--models", "mlp", "--steps", "3", "--out", str(tmp_path / "r.json")]
+    assert options_from_args(_parse([*argv, "--device-memory", "12GiB"])).device_memory == "12GiB"
+    assert options_from_args(_parse(argv)).device_memory is None
+    if get_backend().can_limit_device_memory:
+        pytest.skip(f"backend {get_backend().name} can cap device memory")
+    assert main(_parse([*argv, "--device-memory", "12GiB"])) == 2
+    assert "magi bench: backend cpu cannot cap device memory" in capsys.readouterr().err
+    monkeypatch.setenv("MAGI_DEVICE_MEMORY", "80%")  # the variable, when the option is not given
+    assert main(_parse(argv)) == 2
+    assert "magi bench: backend cpu cannot cap device memory" in capsys.readouterr().err
+    assert main(_parse([*argv, "--device-memory", "lots"])) == 2
+    assert "device memory size 'lots'" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_default_out_path_names_the_cap() -> None:
+    from magi_core.bench.runner import default_out_path
+
+    env = {"hardware": "NVIDIA H200", "date": "2026-12-02T10:00:00+00:00"}
+    assert default_out_path(env, ("flux",), Path("/r"), "12GiB").name == "2026-12-02-nvidia-h200-flux-mem12gib.json"
+    assert default_out_path(env, (), Path("/r"), "80%").name == "2026-12-02-nvidia-h200-mem80pct.json"
+
+
+def test_a_run_out_of_device_memory_is_a_failed_row_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A magi-core configuration whose step runs out of device memory, and one whose set-up does: failed rows with the
+    error (and its cause), while the other systems run and the document is complete."""
+    if get_backend().is_accelerator:
+        pytest.skip("the small CPU run is for the cpu backend")
+    from magi_core.bench import runner
+    from magi_core.bench.systems import Prepared
+
+    real_prepare = runner.prepare
+
+    def oom(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("out of memory. Tried to allocate 2.00 GiB")
+
+    def prepare(workload: Any, backend: Any, spec: SystemSpec, **kwargs: Any) -> Prepared:
+        if spec.label == "magi HEURISTIC r=0":
+            return Prepared(oom, 0.0, 1)
+        if spec.is_magi_default:
+            try:
+                oom()
+            except torch.OutOfMemoryError as exc:
+                raise RuntimeError("_apply(): Couldn't swap Linear.weight") from exc
+        return real_prepare(workload, backend, spec, **kwargs)
+
+    monkeypatch.setattr(runner, "prepare", prepare)
+    doc = runner.run_benchmark(BenchOptions(models=("mlp",), systems=("resident_eager", "magi"), ratios=(0.0,),
+                                            budgets=(), policies=("HEURISTIC",), magi_default=True, tokens=(16,),
+                                            steps=3, warmup=1, quick=True, dtype="fp32", overhead_probe=False,
+                                            host_timing=False))
+    rows = {r["label"]: r for r in doc["runs"]}
+    assert rows["resident_eager"]["status"] == "ok" and rows["resident_eager"]["host_call_ms"] is None
+    assert rows["resident_eager"]["device_cap_bytes"] is None and doc["device_memory"] is None
+    step = rows["magi HEURISTIC r=0"]
+    assert step["status"] == "failed" and step["reason"].startswith("OutOfMemoryError: out of memory")
+    setup = rows["magi default"]
+    assert setup["status"] == "failed" and setup["reason"].startswith("setup: RuntimeError: _apply()")
+    assert "(from OutOfMemoryError: out of memory. Tried to allocate 2.00 GiB)" in setup["reason"]
+    assert any(t["scope"].endswith("default (worst config)") for t in doc["targets"])
+
+
+def test_accelerate_under_a_cap_keeps_slack_and_needs_an_accelerator() -> None:
+    from magi_core.bench.systems import SystemSkipped, accelerate_max_memory, prepare_accelerate
+
+    gib = 1 << 30
+    assert accelerate_max_memory(12 * gib, 16 * gib, 0) == {0: 10 * gib, "cpu": 33 * gib}
+    assert accelerate_max_memory(80 * gib, 16 * gib, 1)[1] == 76 * gib  # 5% of a large card
+    assert accelerate_max_memory(gib, gib, 0)[0] == 0
+    if get_backend().is_accelerator:
+        return
+    pytest.importorskip("accelerate")
+    with pytest.raises(SystemSkipped, match="device_map places weights on an accelerator"):
+        prepare_accelerate(mlp_workload(MLPShape(hidden=16, layers=2), torch.float32), get_backend(), 12 * gib)

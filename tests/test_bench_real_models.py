@@ -1,4 +1,4 @@
-"""``magi bench``'s real-library workloads (transformers Llama, diffusers Wan) in their tiny versions on the CPU.
+"""``magi bench``'s real-library workloads (transformers Llama, diffusers Wan and Flux), tiny, on the CPU.
 
 Each tiny workload is built on the meta device and filled from the shared host weights; its output must equal the
 library's own eagerly built model, run through magi-core offload (ratio 0 and 1, the bench's runner path) within
@@ -21,6 +21,7 @@ from magi_core.bench import BenchOptions, analysis, report
 from magi_core.bench.measure import main_tensor
 from magi_core.bench.options import SYSTEMS
 from magi_core.bench.real import REAL_WORKLOADS, missing_library, real_workload, regime
+from magi_core.bench.real import flux as flux_mod
 from magi_core.bench.real import llama as llama_mod
 from magi_core.bench.real import wan as wan_mod
 from magi_core.bench.runner import run_benchmark
@@ -29,7 +30,7 @@ from magi_core.bench.workloads import Workload
 from magi_core.errors import ConfigError
 from magi_core.plugin.manager import get_backend
 
-LIBRARY = {"llama8b": "transformers", "wan14b": "diffusers"}
+LIBRARY = {"llama8b": "transformers", "wan14b": "diffusers", "flux": "diffusers"}
 CPU = torch.device("cpu")
 #: float32 on the CPU: offloaded units run the same kernels as the eager model (measured: exactly equal).
 TOLERANCE = 1e-5
@@ -48,7 +49,8 @@ def _cpu_only() -> None:
 
 def _tiny(name: str, dtype: torch.dtype = torch.float32) -> Workload:
     _needs(name)
-    return real_workload(name, dtype, "tiny", LAYERS)
+    # flux: 1 double-stream and 2 single-stream blocks
+    return real_workload(name, dtype, "tiny", 1 if name == "flux" else LAYERS)
 
 
 def _library_model(w: Workload) -> torch.nn.Module:
@@ -57,6 +59,10 @@ def _library_model(w: Workload) -> torch.nn.Module:
         from transformers import LlamaForCausalLM
 
         model: torch.nn.Module = LlamaForCausalLM(llama_mod.config(w.shape))
+    elif w.name == "flux":
+        from diffusers import FluxTransformer2DModel
+
+        model = FluxTransformer2DModel(**w.shape.kwargs())
     else:
         from diffusers import WanTransformer3DModel
 
@@ -73,13 +79,14 @@ def test_meta_build_has_real_buffers_and_shares_host_weights(name: str) -> None:
     assert not any(t.is_meta for t in [*a.parameters(), *a.buffers()])
     reference = _library_model(w)
     ref_buffers = dict(reference.named_buffers())
-    assert ref_buffers and set(ref_buffers) == {n for n, _ in a.named_buffers()}
+    assert (bool(ref_buffers) or name == "flux") and set(ref_buffers) == {n for n, _ in a.named_buffers()}
     for n, buf in a.named_buffers():
         assert buf.dtype == ref_buffers[n].dtype and torch.equal(buf, ref_buffers[n]), n
     pa, pb = next(iter(a.parameters())), next(iter(b.parameters()))
     assert pa is not pb and pa.data_ptr() == pb.data_ptr()
     assert w.weight_bytes == sum(p.numel() * p.element_size() for p in reference.parameters())
     assert len(w.block_bytes) == w.shape.layers and w.planned_bytes() == w.weight_bytes
+    assert sum(w.block_bytes) + sum(w.outside_bytes.values()) == w.weight_bytes
 
 
 def test_llama_rotary_uses_llama3_theta() -> None:
@@ -144,7 +151,7 @@ def tiny_run(request: pytest.FixtureRequest) -> dict[str, Any]:
     return run_benchmark(BenchOptions(
         models=(name,), systems=SYSTEMS, policies=("HEURISTIC",), ratios=(0.0, 1.0), budgets=(), dtype="fp32",
         tokens=(16,), warmup=1, compile_on_cpu=True, compile_backend="aot_eager", overhead_probe=False,
-        llama_layers=LAYERS, wan_layers=LAYERS))
+        llama_layers=LAYERS, wan_layers=LAYERS, flux_layers=1))
 
 
 def test_bench_runs_every_system_on_the_tiny_model(tiny_run: dict[str, Any]) -> None:
@@ -186,6 +193,10 @@ def test_bench_records_what_the_inputs_and_regimes_are(tiny_run: dict[str, Any],
     assert entry["tflop"] > 0 and entry["regime_h200"] == "transfer-bound"
     if name == "wan14b":
         assert entry["hidden_states"] == [1, 4, 4, 4, 4]
+    elif name == "flux":
+        assert entry["hidden_states"] == [1, 16, 16] and entry["latent_grid"] == [4, 4]
+        assert entry["image_px"] == [64, 64]
+        assert len(info["block_bytes"]) == 3  # 1 double-stream and 2 single-stream blocks
     else:
         assert entry["input_ids"] == [1, 16] and entry["logits_to_keep"] == 1
     assert all(r.get("achieved_TFLOPs", 0) > 0 for r in analysis.ok_runs(tiny_run))
@@ -246,15 +257,39 @@ def test_regime_token_counts_hold_at_both_ends_of_the_rate() -> None:
     assert [regime(wan.flops(t), 14_577_940_608)["regime_h200"] for t in wan_mod.TOKENS] == kinds
     assert regime(wan.flops(8190), 14_577_940_608)["tflop"] == pytest.approx(128.2, abs=0.1)
     assert [wan_mod.latent_shape(t) for t in wan_mod.TOKENS] == [(21, 16, 26), (21, 30, 52), (21, 40, 78)]
+    # FLUX.1-dev: 23.80 GB of bf16 weights (11.90 B parameters, measured from the meta build below)
+    flux = flux_mod.FluxSpec()
+    assert [regime(flux.flops(t), 23_802_816_640)["regime_h200"] for t in flux_mod.TOKENS] == kinds
+    assert [flux_mod.grid(t) for t in flux_mod.TOKENS] == [(64, 64), (64, 128), (128, 128)]
     assert wan_mod.latent_shape(32760) == (21, 60, 104)  # 480p, 81 frames
     for t in (16, 64, 1000, 8190):
         f, h, w = wan_mod.latent_shape(t)
         assert f * (h // 2) * (w // 2) == t
 
 
+def test_flux_at_full_size_is_flux1_dev_built_on_meta() -> None:
+    """The full spec builds FLUX.1-dev's shape on the meta device (nothing allocated): 19 + 38 blocks, 23.80 GB."""
+    pytest.importorskip("diffusers")
+    w = real_workload("flux", torch.bfloat16, "full")
+    assert w.tokens == flux_mod.TOKENS and not w.base
+    assert w.planned_bytes() == 23_802_816_640
+    with torch.device("meta"):
+        model = w.build()
+    assert len(model.transformer_blocks) == 19 and len(model.single_transformer_blocks) == 38
+    assert model.config.num_attention_heads == 24 and model.config.attention_head_dim == 128
+    assert model.config.joint_attention_dim == 4096 and model.config.pooled_projection_dim == 768
+    assert model.config.guidance_embeds
+    quick = flux_mod.spec("quick", torch.bfloat16)
+    assert (quick.double_layers, quick.single_layers, quick.width) == (2, 4, 3072)
+    assert flux_mod.spec("full", torch.bfloat16, layers=3).layers == 9
+    ids = flux_mod.image_ids(8)
+    assert ids.tolist() == [[0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 3], [0, 1, 0], [0, 1, 1], [0, 1, 2], [0, 1, 3]]
+
+
 def test_real_model_options() -> None:
     assert BenchOptions(models=("llama8b", "wan14b"), llama_layers=2, wan_layers=40).models == ("llama8b", "wan14b")
-    for bad in ({"llama_layers": 0}, {"wan_layers": -1}, {"models": ("llama70b",)}):
+    assert BenchOptions(models=("flux",), flux_layers=1).flux_layers == 1
+    for bad in ({"llama_layers": 0}, {"wan_layers": -1}, {"flux_layers": 0}, {"models": ("llama70b",)}):
         with pytest.raises(ConfigError):
             BenchOptions(**bad)  # type: ignore[arg-type]
     opts = BenchOptions()

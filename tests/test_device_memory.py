@@ -260,3 +260,21 @@ def test_a_cap_refuses_an_allocation_past_it_and_shows_in_device_memory(active: 
         torch.empty(96 * MIB, dtype=torch.uint8, device=active.device())
     del x
     assert limit_device_memory_from_env({ENV_DEVICE_MEMORY: "100%"}) == cap  # 100% of the capped card: no change
+
+
+def test_bench_under_a_cap_records_each_run_and_never_crashes(active: Backend) -> None:
+    """``magi bench --device-memory``: the process is capped before the first allocation; a system that does not fit
+    is a failed row with its error, every row carries the cap (magidev: a 24 MiB card, 17 MB of weights)."""
+    if not active.can_limit_device_memory:
+        pytest.skip(f"backend {active.name} cannot cap device memory")
+    from magi_core.bench import BenchOptions, run_benchmark
+
+    doc = run_benchmark(BenchOptions(models=("mlp",), systems=("resident_eager", "magi"), policies=("HEURISTIC",),
+                                     ratios=(0.0,), budgets=(), magi_default=True, dtype="fp32", tokens=(16,), steps=3,
+                                     warmup=1, mlp_hidden=256, mlp_layers=8, probe_bytes=1 << 16,
+                                     overhead_probe=False, host_timing=False, device_memory="24MiB"), active)
+    assert doc["device_memory"]["cap_bytes"] == 24 * MIB and doc["device_memory"]["seen"]["total"] == 24 * MIB
+    rows = {r["label"]: r for r in doc["runs"]}
+    assert set(rows) == {"resident_eager", "magi default", "magi HEURISTIC r=0"}
+    assert all(r["device_cap_bytes"] == 24 * MIB and r["status"] in ("ok", "failed") for r in rows.values())
+    assert all(r["reason"] for r in rows.values() if r["status"] == "failed")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from magi_core.bench.options import ACCELERATOR_TIME_BUDGET_S, GRIDS, MODELS, SYSTEMS, BenchOptions
+from magi_core.bench.options import ACCELERATOR_TIME_BUDGET_S, GRIDS, MIN_STEPS, MODELS, SYSTEMS, BenchOptions
 from magi_core.bench.runner import default_out_path, environment, run_benchmark
 from magi_core.errors import MagiError
 
@@ -35,9 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``magi bench`` options to ``parser``."""
     parser.add_argument("--models", type=_csv(str), default=("mlp", "transformer"),
                         help=f"comma list of models: {','.join(MODELS)} (default mlp,transformer); llama8b "
-                             "(transformers LlamaForCausalLM, Llama-3-8B) and wan14b (diffusers WanTransformer3DModel, "
-                             "Wan2.1-14B blocks) run at their own regime token counts unless --tokens is given, and "
-                             "tiny on the cpu backend")
+                             "(transformers LlamaForCausalLM, Llama-3-8B), wan14b (diffusers WanTransformer3DModel, "
+                             "Wan2.1-14B blocks) and flux (diffusers FluxTransformer2DModel, FLUX.1-dev) run at their "
+                             "own regime token counts unless --tokens is given, and tiny on the cpu backend")
     parser.add_argument("--systems", type=_csv(str), default=SYSTEMS,
                         help=f"comma list of systems (default all: {','.join(SYSTEMS)})")
     parser.add_argument("--policies", type=_csv(str), default=("HEURISTIC", "COST_EFFECTIVE", "BASE"),
@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token counts of every model (default 2048,16384 on accelerators, 16,64 on the cpu "
                              "backend; llama8b 2048,8192,16384 and wan14b 2184,8190,16380: transfer-bound, balanced, "
                              "compute-bound on an H200)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration (>= 10; median)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help=f"timed steps per configuration (default 10, at least {MIN_STEPS}; median)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up calls before timing (magi: at least its own)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--quick", action="store_true", help="fewer blocks and one token count")
@@ -66,6 +67,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="llama8b decoder layers (default 32, the real model; 4 with --quick)")
     parser.add_argument("--wan-layers", type=int, default=None,
                         help="wan14b transformer blocks (default 20, 14.5 GB; the real model has 40; 4 with --quick)")
+    parser.add_argument("--flux-layers", type=int, default=None,
+                        help="flux double-stream blocks, with twice as many single-stream ones (default 19 + 38, "
+                             "FLUX.1-dev; 2 + 4 with --quick)")
+    parser.add_argument("--device-memory", default=None, metavar="SIZE",
+                        help="cap this process's device memory before anything is allocated, to run as on a smaller "
+                             "card: bytes (12GiB, 16e9) or a percentage of the device (80%%); default: "
+                             "MAGI_DEVICE_MEMORY, else no cap. A run that does not fit is a failed row, not a crash; "
+                             "the cpu backend cannot cap")
+    parser.add_argument("--magi-default", action="store_true",
+                        help="also run magi-core with its default OffloadConfig() (the plan fits the card)")
+    parser.add_argument("--accelerate-device-map", action="store_true",
+                        help="accelerate with device_map='auto' and max_memory at the device's capacity instead of "
+                             "cpu_offload (always so under --device-memory)")
+    parser.add_argument("--no-host-timing", action="store_true",
+                        help="skip timing 20 single calls on an idle device (host overhead) per configuration")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of resident_compiled (default inductor)")
     parser.add_argument("--probe-mb", type=int, default=None, help="H2D probe size in MiB (default 1024; cpu 16)")
@@ -94,7 +110,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         tf_heads=args.tf_heads, probe_bytes=args.probe_mb << 20 if args.probe_mb else None,
         compile_on_cpu=args.compile_on_cpu, overhead_probe=not args.no_overhead_probe,
         time_budget_s=args.time_budget, grid=args.grid, accelerate_all_tokens=args.accelerate_all_tokens,
-        llama_layers=args.llama_layers, wan_layers=args.wan_layers, compile_backend=args.compile_backend, out=args.out,
+        llama_layers=args.llama_layers, wan_layers=args.wan_layers, flux_layers=args.flux_layers,
+        device_memory=args.device_memory, magi_default=args.magi_default, host_timing=not args.no_host_timing,
+        accelerate_device_map=args.accelerate_device_map, compile_backend=args.compile_backend, out=args.out,
     )
 
 
@@ -108,6 +126,7 @@ def main(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     from magi_core.bench import report
+    from magi_core.plugin.device_limit import device_memory_from_env
     from magi_core.plugin.manager import get_backend
 
     try:
@@ -117,7 +136,8 @@ def main(args: argparse.Namespace) -> int:
             from dataclasses import replace
 
             models = options.models if set(options.models) != {"mlp", "transformer"} else ()
-            options = replace(options, out=default_out_path(environment(backend), models, _repo_root()))
+            options = replace(options, out=default_out_path(environment(backend), models, _repo_root(),
+                                                            options.device_memory or device_memory_from_env()))
         doc = run_benchmark(options, backend)
     except MagiError as exc:
         print(f"magi bench: {exc}", file=sys.stderr)

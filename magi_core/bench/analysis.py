@@ -106,14 +106,16 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     magi = [r for r in runs if r["system"] == "magi"]
     groups = _groups(runs)
     all_groups = _groups(doc["runs"])
-    policies = sorted({r["policy"] for r in doc["runs"] if r["system"] == "magi"})
+    # magi-core's default config names no policy: its runs are judged as "default"
+    policies = sorted({r["policy"] or "default" for r in doc["runs"] if r["system"] == "magi"})
     for wl, tokens in sorted(all_groups):
         scope = f"{wl} {tokens} tok"
         okg = groups.get((wl, tokens), [])
         balanced = step_regime(doc, wl, tokens) == "balanced"
         step_limit = STEP_VS_IDEAL_BALANCED if balanced else STEP_VS_IDEAL
         for pol in policies:
-            rs = [r for r in okg if r["system"] == "magi" and r["policy"] == pol and r.get("ratio_to_ideal")]
+            rs = [r for r in okg if r["system"] == "magi" and (r["policy"] or "default") == pol
+                  and r.get("ratio_to_ideal")]
             worst = max(rs, key=lambda r: r["ratio_to_ideal"]) if rs else None
             note = worst["label"] if worst else "no completed run"
             out.append(_target(f"step <= {step_limit:g}x ideal", f"{scope}, {pol} (worst config)",

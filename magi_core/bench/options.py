@@ -10,6 +10,7 @@ import torch
 
 from magi_core.bench.real.common import REAL_WORKLOADS
 from magi_core.errors import ConfigError
+from magi_core.plugin.device_limit import parse_device_memory
 
 SYSTEMS = ("resident_eager", "resident_compiled", "magi", "diffusers", "accelerate")
 #: The bench's own synthetic models, then the models built from transformers / diffusers classes (``--models``).
@@ -19,6 +20,8 @@ MODELS = ("mlp", "transformer", *REAL_WORKLOADS)
 GRIDS = ("core", "full")
 #: Default ``--time-budget`` on accelerators (seconds): both default models finish inside a 9-minute command.
 ACCELERATOR_TIME_BUDGET_S = 420.0
+#: The fewest timed steps a configuration may have (their median is the step time).
+MIN_STEPS = 3
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -73,6 +76,18 @@ class BenchOptions:
     accelerate_all_tokens: bool = False
     llama_layers: int | None = None
     wan_layers: int | None = None
+    flux_layers: int | None = None
+    """Flux double-stream blocks (and twice as many single-stream ones); None: the preset's."""
+    device_memory: str | None = None
+    """Cap this process's device memory before anything is allocated (``12GiB``, ``80%``); None: ``MAGI_DEVICE_MEMORY``,
+    else no cap."""
+    magi_default: bool = False
+    """Also run magi-core with its default ``OffloadConfig()`` (the plan fits the card), first among magi runs."""
+    host_timing: bool = True
+    """Time single calls on an idle device (host overhead) at the smallest token count; off for quick grids."""
+    accelerate_device_map: bool = False
+    """accelerate with ``device_map="auto"`` and ``max_memory`` at the device's capacity (the cap when one is set)
+    instead of ``cpu_offload``; always so under a device memory cap."""
     compile_backend: str = "inductor"
     """``torch.compile`` backend of the resident compiled system (Inductor; the CPU tests use ``aot_eager``)."""
     out: Path | None = None
@@ -82,7 +97,7 @@ class BenchOptions:
         for m in self.models:
             if m not in MODELS:
                 raise ConfigError(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-        for name in ("llama_layers", "wan_layers"):
+        for name in ("llama_layers", "wan_layers", "flux_layers"):
             n = getattr(self, name)
             if n is not None and n < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {n}")
@@ -92,8 +107,10 @@ class BenchOptions:
         for r in self.ratios + self.budgets:
             if not 0.0 <= r <= 1.0:
                 raise ConfigError(f"residency ratios and budget fractions must be in [0, 1], got {r}")
-        if self.steps < 10:
-            raise ConfigError(f"--steps must be >= 10 (median of at least 10 steps), got {self.steps}")
+        if self.steps < MIN_STEPS:
+            raise ConfigError(f"--steps must be >= {MIN_STEPS} (the step time is their median), got {self.steps}")
+        if self.device_memory is not None:
+            parse_device_memory(self.device_memory)
         if self.warmup < 1:
             raise ConfigError(f"--warmup must be >= 1, got {self.warmup}")
         if self.grid not in GRIDS:

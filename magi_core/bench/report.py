@@ -304,7 +304,9 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
     for (i, wl), (j, tok) in ((a, b) for a in enumerate(wls) for b in enumerate(toks[a[1]])):
         ax = axes[i][j]
         runs = [r for r in analysis.ok_runs(doc) if r["workload"] == wl and r["tokens"] == tok]
-        for pol in sorted({r["policy"] for r in runs if r["system"] == "magi"}):
+        for r in (r for r in runs if r["system"] == "magi" and r["policy"] is None):  # the default config
+            ax.scatter([_resident_fraction(r)], [r["step_ms"]], marker="D", s=60, label=r["label"])
+        for pol in sorted({r["policy"] for r in runs if r["system"] == "magi" and r["policy"] is not None}):
             pts = sorted((_resident_fraction(r), r["step_ms"]) for r in runs
                          if r["policy"] == pol and r.get("ratio") is not None)
             line = ax.plot(*zip(*pts, strict=True), marker="o", label=f"magi {pol}") if pts else None

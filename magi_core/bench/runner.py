@@ -23,6 +23,7 @@ from magi_core.bench.options import BenchOptions, Sizes
 from magi_core.bench.real import REAL_WORKLOADS, default_tokens, missing_library, real_workload, regime
 from magi_core.bench.systems import Prepared, SystemSkipped, SystemSpec, cleanup, prepare
 from magi_core.bench.workloads import MLPShape, Workload, mlp_workload, transformer_workload
+from magi_core.plugin.device_limit import device_memory_from_env, limit_device_memory
 from magi_core.plugin.facade import Backend
 from magi_core.plugin.manager import get_backend
 
@@ -47,6 +48,8 @@ def system_specs(options: BenchOptions) -> list[SystemSpec]:
     for kind in ("resident_eager", "resident_compiled", "diffusers"):
         if kind in options.systems:
             specs.append(SystemSpec(kind))
+    if "magi" in options.systems and options.magi_default:
+        specs.append(SystemSpec("magi"))  # OffloadConfig(): the plan fits the card
     if "magi" in options.systems and options.policies:
         first, *others = (p.upper() for p in options.policies)
         specs += [SystemSpec("magi", policy=first, budget_fraction=b) for b in options.budgets]
@@ -90,7 +93,8 @@ def workloads(options: BenchOptions, sizes: Sizes, preset: str = "full") -> Iter
             if why is not None:
                 yield Unavailable(name, why, tokens)
                 continue
-            layers = options.llama_layers if name == "llama8b" else options.wan_layers
+            layers = {"llama8b": options.llama_layers, "wan14b": options.wan_layers,
+                      "flux": options.flux_layers}[name]
             w = real_workload(name, options.torch_dtype, preset, layers)
             w.tokens = tokens
             yield w
@@ -119,11 +123,15 @@ def environment(backend: Backend) -> dict[str, Any]:
     }
 
 
-def default_out_path(env: dict[str, Any], models: tuple[str, ...] = (), root: Path | None = None) -> Path:
-    """``benchmarks/results/<date>-<hardware>[-<models>].json`` under ``root`` (default the working directory)."""
+def default_out_path(env: dict[str, Any], models: tuple[str, ...] = (), root: Path | None = None,
+                     device_memory: str | None = None) -> Path:
+    """``benchmarks/results/<date>-<hardware>[-<models>][-mem<cap>].json`` under ``root`` (default the working
+    directory)."""
     root = root if root is not None else Path.cwd()
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["hardware"]).strip("-").lower()[:40] or "unknown"
     suffix = "".join(f"-{m}" for m in models)
+    if device_memory:
+        suffix += "-mem" + (re.sub(r"[^A-Za-z0-9]+", "", device_memory.replace("%", "pct")).lower() or "cap")
     return root / "benchmarks" / "results" / f"{env['date'][:10]}-{slug}{suffix}.json"
 
 
@@ -197,7 +205,8 @@ def _run_tokens(backend: Backend, w: Workload, p: Prepared, tokens: int, options
         "status": "ok",
         "step_ms": times.median_ms,
         "steps_ms": [round(t, 4) for t in times.device_ms],
-        "host_call_ms": measure.host_call_ms(backend, call) if p.host_timing and host_timing else None,
+        "host_call_ms": (measure.host_call_ms(backend, call)
+                         if p.host_timing and host_timing and options.host_timing else None),
         "host_call_backtoback_ms": times.host_median_ms,
         "peak_alloc_bytes": peak_alloc,
         "peak_reserved_bytes": peak_reserved,
@@ -229,7 +238,29 @@ def run_benchmark(options: BenchOptions, backend: Backend | None = None) -> dict
         torch.set_num_threads(threads)
 
 
+def apply_device_memory(options: BenchOptions, backend: Backend) -> dict[str, Any] | None:
+    """Cap the process's device memory as ``options.device_memory`` (else ``MAGI_DEVICE_MEMORY``) asks, before
+    anything is allocated; what the result document records about it (None without a cap: the device as seen).
+
+    Raises :class:`~magi_core.errors.BackendError` where the backend cannot cap (the cpu backend).
+    """
+    requested = options.device_memory or device_memory_from_env()
+    if requested is None:
+        if not backend.is_accelerator:
+            return None
+        seen = backend.device_memory()
+        return {"requested": None, "cap_bytes": None,
+                "seen": {"free": seen.free, "total": seen.total} if seen is not None else None}
+    cap = limit_device_memory(requested, backend=backend)
+    seen = backend.device_memory()
+    logger.info("device memory capped at %.2f GiB (%s)", cap / (1 << 30), requested)
+    return {"requested": requested, "cap_bytes": cap,
+            "seen": {"free": seen.free, "total": seen.total} if seen is not None else None}
+
+
 def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
+    memory = apply_device_memory(options, backend)  # before the first allocation: a smaller card from the start
+    cap = memory["cap_bytes"] if memory is not None else None
     env = environment(backend)
     sizes = options.sizes(backend.is_accelerator)
     start = time.perf_counter()
@@ -241,7 +272,11 @@ def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
         "schema": SCHEMA_VERSION, "env": env, "options": options.as_json(), "sizes": sizes.__dict__,
         "h2d_GBps": h2d, "h2d_probe_bytes": options.h2d_probe_bytes(backend.is_accelerator), "h2d_method": h2d_method,
         "host_call_method": measure.HOST_CALL_METHOD, "workloads": {}, "runs": [], "notes": [],
+        "device_memory": memory,
     }
+    # accelerate places what fits on the device: within the cap, or the whole card when asked for a device map
+    seen = (memory or {}).get("seen") or {}
+    accelerate_bytes = cap if cap is not None else seen.get("total") if options.accelerate_device_map else None
     specs = system_specs(options)
     budget = options.time_budget(backend.is_accelerator)
     doc["time_budget_s"] = budget
@@ -266,7 +301,9 @@ def _run(options: BenchOptions, backend: Backend) -> dict[str, Any]:
                     len(w.block_bytes), doc["workloads"][w.name]["materialize_base_s"])
         reference: dict[int, dict[str, torch.Tensor]] = {}
         for spec in specs:
-            doc["runs"] += _run_system(backend, w, spec, token_counts(w, sizes), options, reference, deadline)
+            runs = _run_system(backend, w, spec, token_counts(w, sizes), options, reference, deadline,
+                               accelerate_bytes)
+            doc["runs"] += [{**r, "device_cap_bytes": cap} for r in runs]
             if options.out is not None:
                 write_json(analysis.finalize(doc), options.out)
         w.release()
@@ -336,8 +373,10 @@ def skip_reason(spec: SystemSpec, tokens: int, tokens_list: tuple[int, ...], opt
 
 
 def _run_system(backend: Backend, w: Workload, spec: SystemSpec, tokens_list: tuple[int, ...], options: BenchOptions,
-                reference: dict[int, dict[str, torch.Tensor]], deadline: float | None) -> list[dict[str, Any]]:
-    """Prepare one system and run it at every token count; failures are recorded, never raised."""
+                reference: dict[int, dict[str, torch.Tensor]], deadline: float | None,
+                accelerate_bytes: int | None = None) -> list[dict[str, Any]]:
+    """Prepare one system and run it at every token count; failures (out of device memory under a cap among them)
+    are recorded, never raised."""
     records = [_record_base(w, spec, t) for t in tokens_list]
     if all(skip_reason(spec, t, tokens_list, options, deadline) for t in tokens_list):
         for r in records:
@@ -345,7 +384,8 @@ def _run_system(backend: Backend, w: Workload, spec: SystemSpec, tokens_list: tu
         return records
     p: Prepared | None = None
     try:
-        p = prepare(w, backend, spec, compile_on_cpu=options.compile_on_cpu, compile_backend=options.compile_backend)
+        p = prepare(w, backend, spec, compile_on_cpu=options.compile_on_cpu, compile_backend=options.compile_backend,
+                    accelerate_device_bytes=accelerate_bytes)
         for r in records:
             why = skip_reason(spec, r["tokens"], tokens_list, options, deadline)
             if why is not None:
@@ -357,7 +397,7 @@ def _run_system(backend: Backend, w: Workload, spec: SystemSpec, tokens_list: tu
                                      host_timing=r["tokens"] == min(tokens_list)))
                 logger.info("%-12s %6d tok  %-34s %9.3f ms", w.name, r["tokens"], spec.label, r["step_ms"])
             except Exception as exc:  # OOM and friends: record and continue with the next configuration
-                r.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:400]}")
+                r.update(status="failed", reason=failure_reason(exc))
                 logger.warning("%s %d tokens %s failed: %s", w.name, r["tokens"], spec.label, r["reason"])
                 measure.free_device_memory(backend)
     except SystemSkipped as exc:
@@ -366,7 +406,7 @@ def _run_system(backend: Backend, w: Workload, spec: SystemSpec, tokens_list: tu
         logger.info("%s %s skipped: %s", w.name, spec.label, exc)
     except Exception as exc:
         for r in records:
-            r.update(status="failed", reason=f"setup: {type(exc).__name__}: {str(exc)[:400]}")
+            r.update(status="failed", reason="setup: " + failure_reason(exc))
         logger.warning("%s %s setup failed: %s", w.name, spec.label, exc)
     finally:
         if p is not None:
@@ -378,6 +418,16 @@ def _run_system(backend: Backend, w: Workload, spec: SystemSpec, tokens_list: tu
         del p
         cleanup(backend)
     return records
+
+
+def failure_reason(exc: BaseException) -> str:
+    """``Type: message`` of a failed run, with the error it came from when that one says more (a module's
+    ``_apply()`` failing to swap a weight because the device ran out of memory)."""
+    reason = f"{type(exc).__name__}: {str(exc)[:400]}"
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip() and str(cause).strip()[:80] not in str(exc):
+        reason += f" (from {type(cause).__name__}: {str(cause)[:300]})"
+    return reason
 
 
 def write_json(doc: dict[str, Any], path: Path) -> None:

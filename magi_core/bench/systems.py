@@ -39,10 +39,18 @@ class SystemSpec:
     budget_fraction: float | None = None
 
     @property
+    def is_magi_default(self) -> bool:
+        """magi-core with its default ``OffloadConfig()``: no policy, ratio or budget chosen (the plan fits the card).
+        """
+        return self.kind == "magi" and self.policy is None and self.ratio is None and self.budget_fraction is None
+
+    @property
     def label(self) -> str:
         """Short human-readable name, unique within a run."""
         if self.kind != "magi":
             return self.kind
+        if self.is_magi_default:
+            return "magi default"
         if self.budget_fraction is not None:
             return f"magi {self.policy} budget={self.budget_fraction:g}W"
         return f"magi {self.policy} r={self.ratio:g}"
@@ -103,7 +111,9 @@ def prepare_resident(workload: Workload, backend: Backend, compiled: bool, compi
 
 
 def _magi_config(spec: SystemSpec, weight_bytes: int) -> OffloadConfig:
-    assert spec.policy is not None, "magi configurations name a policy"
+    if spec.is_magi_default:
+        return OffloadConfig()
+    assert spec.policy is not None, "magi configurations name a policy, or none of policy, ratio and budget"
     if spec.budget_fraction is not None:
         return OffloadConfig(policy=spec.policy, device_memory_budget_bytes=int(spec.budget_fraction * weight_bytes))
     return OffloadConfig(policy=spec.policy, gpu_resident_weight_ratio=float(spec.ratio or 0.0))
@@ -236,10 +246,31 @@ def prepare_diffusers(workload: Workload, backend: Backend) -> Prepared:
                           "diffusers_separate_groups": [name for name, _ in outside]}, host_timing=False)
 
 
-def prepare_accelerate(workload: Workload, backend: Backend) -> Prepared:
-    """accelerate ``cpu_offload`` with the backend's device as execution device."""
+#: What accelerate's ``max_memory`` leaves free on the device for activations and the offloaded weights it moves in
+#: for each call: this many bytes, or this fraction of the device's capacity when that is more.
+ACCELERATE_SLACK_BYTES = 2 << 30
+ACCELERATE_SLACK_FRACTION = 0.05
+
+
+def accelerate_max_memory(device_bytes: int, weight_bytes: int, index: int) -> dict[int | str, int]:
+    """accelerate's ``max_memory`` for a device of ``device_bytes``: the device less the slack, the host for the rest.
+
+    The slack (:data:`ACCELERATE_SLACK_BYTES`, or :data:`ACCELERATE_SLACK_FRACTION` of the device) is working memory:
+    activations, and the offloaded module accelerate copies in for each call.
+    """
+    slack = max(ACCELERATE_SLACK_BYTES, int(ACCELERATE_SLACK_FRACTION * device_bytes))
+    return {index: max(0, device_bytes - slack), "cpu": 2 * weight_bytes + (1 << 30)}
+
+
+def prepare_accelerate(workload: Workload, backend: Backend, device_bytes: int | None = None) -> Prepared:
+    """accelerate: ``cpu_offload`` with the backend's device as execution device, or, given ``device_bytes`` (a
+    card's capacity: the cap of a capped process), ``device_map="auto"`` with ``max_memory`` at that size (what fits
+    stays on the device, the rest is offloaded to the host and copied in for each call, accelerate's big-model
+    inference)."""
     if importlib.util.find_spec("accelerate") is None:
         raise SystemSkipped("accelerate is not installed (pip install 'magi-core[bench]')")
+    if device_bytes is not None:
+        return _prepare_accelerate_device_map(workload, backend, device_bytes)
     from accelerate import cpu_offload
 
     t0 = time.perf_counter()
@@ -251,9 +282,38 @@ def prepare_accelerate(workload: Workload, backend: Backend) -> Prepared:
                           "units": sum(1 for m in model.modules() if not list(m.children()))}, host_timing=False)
 
 
+def _prepare_accelerate_device_map(workload: Workload, backend: Backend, device_bytes: int) -> Prepared:
+    """accelerate's ``infer_auto_device_map`` + ``dispatch_model`` within ``device_bytes`` of the device."""
+    if not backend.is_accelerator:
+        raise SystemSkipped("accelerate's device_map places weights on an accelerator: the cpu backend has none")
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    t0 = time.perf_counter()
+    model = workload.fresh()
+    index = backend.device_index()
+    max_memory = accelerate_max_memory(device_bytes, workload.weight_bytes, index)
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
+    skip = getattr(model, "_skip_keys_device_placement", None)
+    # the device runs everything, also modules offloaded to the host (accelerate would run on the host otherwise)
+    model = dispatch_model(model, device_map=device_map, main_device=backend.device(index), skip_keys=skip,
+                           force_hooks=True)
+    backend.device_module.synchronize()
+    sizes = {name: t.numel() * t.element_size() for name, t in workload.base.items()}
+    on_host = [m for m, d in device_map.items() if d in ("cpu", "disk")]
+    streamed = sum(n for name, n in sizes.items()
+                   if any(m == "" or name == m or name.startswith(m + ".") for m in on_host))
+    return Prepared(_no_grad(model), time.perf_counter() - t0, 1,
+                    info={"resident_bytes": workload.weight_bytes - streamed, "streamed_bytes": streamed,
+                          "units": len(device_map), "accelerate_device_map": True,
+                          "accelerate_max_memory": {str(k): v for k, v in max_memory.items()},
+                          "accelerate_offloaded_modules": len(on_host)}, host_timing=False)
+
+
 def prepare(workload: Workload, backend: Backend, spec: SystemSpec, compile_on_cpu: bool = False,
-            compile_backend: str = "inductor") -> Prepared:
-    """Set up ``spec`` on a fresh copy of ``workload``'s model."""
+            compile_backend: str = "inductor", accelerate_device_bytes: int | None = None) -> Prepared:
+    """Set up ``spec`` on a fresh copy of ``workload``'s model (accelerate with a device map of
+    ``accelerate_device_bytes`` when given)."""
     if spec.kind in ("resident_eager", "resident_compiled"):
         return prepare_resident(workload, backend, spec.kind == "resident_compiled", compile_on_cpu, compile_backend)
     if spec.kind == "magi":
@@ -261,7 +321,7 @@ def prepare(workload: Workload, backend: Backend, spec: SystemSpec, compile_on_c
     if spec.kind == "diffusers":
         return prepare_diffusers(workload, backend)
     if spec.kind == "accelerate":
-        return prepare_accelerate(workload, backend)
+        return prepare_accelerate(workload, backend, accelerate_device_bytes)
     raise ValueError(f"unknown system kind {spec.kind!r}")
 
 

@@ -84,7 +84,8 @@ class Workload:
     any call (keyword arguments, integer ids, several tensors) and wins when set. ``buffers`` gives the real values
     of every buffer of the model: a model built on the meta device has none (a rotary ``inv_freq`` computed in
     ``__init__`` would be garbage after ``to_empty``). ``param_dtype`` gives a parameter's dtype by name (a library
-    keeping some modules in float32); ``block_prefix`` names the block list (``model.layers`` in transformers).
+    keeping some modules in float32); ``block_prefix`` names the block list (``model.layers`` in transformers) and
+    ``more_block_prefixes`` any further block lists, in the order they run (Flux's single-stream blocks).
     """
 
     name: str
@@ -97,6 +98,7 @@ class Workload:
     buffers: Callable[[], dict[str, torch.Tensor]] | None = None
     param_dtype: Callable[[str], torch.dtype] | None = None
     block_prefix: str = "blocks"
+    more_block_prefixes: tuple[str, ...] = ()
     tokens: tuple[int, ...] | None = None
     """This workload's token counts (None: the run's)."""
     flops: Callable[[int], float] | None = None
@@ -111,23 +113,32 @@ class Workload:
         return sum(t.numel() * t.element_size() for t in self.base.values())
 
     @property
+    def block_prefixes(self) -> tuple[str, ...]:
+        """Every block list's prefix, in the order the blocks run."""
+        return (self.block_prefix, *self.more_block_prefixes)
+
+    @property
     def block_bytes(self) -> list[int]:
-        """Weight bytes of each block (``<block_prefix>.N``), in order; weights outside the blocks are not counted."""
-        sizes: dict[int, int] = {}
-        head = self.block_prefix + "."
-        for name, t in self.base.items():
-            if name.startswith(head):
-                index = int(name[len(head):].split(".", 1)[0])
-                sizes[index] = sizes.get(index, 0) + t.numel() * t.element_size()
-        return [sizes[i] for i in sorted(sizes)]
+        """Weight bytes of each block (``<prefix>.N`` of every block list), in order; weights outside the blocks
+        are not counted."""
+        out: list[int] = []
+        for prefix in self.block_prefixes:
+            sizes: dict[int, int] = {}
+            head = prefix + "."
+            for name, t in self.base.items():
+                if name.startswith(head):
+                    index = int(name[len(head):].split(".", 1)[0])
+                    sizes[index] = sizes.get(index, 0) + t.numel() * t.element_size()
+            out += [sizes[i] for i in sorted(sizes)]
+        return out
 
     @property
     def outside_bytes(self) -> dict[str, int]:
         """Weight bytes outside the blocks, per owning module (``lm_head``, ``model.embed_tokens``, a final norm)."""
         sizes: dict[str, int] = {}
-        head = self.block_prefix + "."
+        heads = tuple(prefix + "." for prefix in self.block_prefixes)
         for name, t in self.base.items():
-            if not name.startswith(head):
+            if not name.startswith(heads):
                 owner = name.rpartition(".")[0] or name
                 sizes[owner] = sizes.get(owner, 0) + t.numel() * t.element_size()
         return sizes

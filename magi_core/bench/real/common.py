@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 #: Workloads built from library classes, and the library each needs.
-LIBRARIES = {"llama8b": "transformers", "wan14b": "diffusers"}
+LIBRARIES = {"llama8b": "transformers", "wan14b": "diffusers", "flux": "diffusers"}
 REAL_WORKLOADS = tuple(LIBRARIES)
 #: Presets: full size (accelerators), fewer layers at full width (``--quick``), tiny (the cpu backend).
 PRESETS = ("full", "quick", "tiny")
