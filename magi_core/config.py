@@ -106,7 +106,9 @@ class OffloadConfig:
     for the device, e.g. CUDA; eager on the CPU backend and on devices Inductor cannot compile for), "inductor"
     or "eager" (see :meth:`magi_core.plugin.facade.Backend.resolve_unit_compiler`).
     ``warmup_calls`` >= 0: calls before the static plan is built (the first runs a simple look-ahead, the
-    second profiles). ``max_unit_bytes``: split units whose weights exceed this many bytes (None: no limit).
+    second profiles). ``max_unit_bytes``: split units whose weights exceed this many bytes, and merge consecutive
+    blocks up to it (None: automatic, the largest block's weight bytes, or 256 MiB in a graph without repeated
+    blocks; see :mod:`magi_core.passes.split`).
     ``bandwidth_probe_bytes``: size of the H2D bandwidth probe (None: 1 GiB on accelerators, 16 MiB on CPU).
     ``direct_unit_calls``: call each Inductor unit's generated code without the Dynamo / AOT wrapper layers
     (verified per unit on its first call, see :func:`magi_core.execute.unit_compile.direct_call`); False

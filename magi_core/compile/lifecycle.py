@@ -269,7 +269,7 @@ class OffloadLifecycle:
         holds more than the room degrades to the fastest plan that fits it, with a warning.
         """
         assert self.profiles is not None and self.bandwidth_Bps is not None
-        config, bw = self.config, self.bandwidth_Bps
+        config = self.config
         room = self._room(with_peers=True)
         self.device_budget_bytes = None
         if config.fits_card:

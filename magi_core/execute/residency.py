@@ -130,10 +130,10 @@ class ResidentSet:
                 ptrs[k] = data.data_ptr()
                 self.copies += 1
             elif i in changed:
-                dev = devs[k]
-                assert dev is not None
+                kept = devs[k]
+                assert kept is not None
                 # (rebound since the check above: these bytes now, and the next step sees the new address)
-                transfer.refresh(dev, h.detach(), compute_stream)
+                transfer.refresh(kept, h.detach(), compute_stream)
                 self.copies += 1
             env[i] = devs[k]
 
