@@ -94,9 +94,9 @@ def check_unit_fits(room: DeviceRoom | None, need: int, unit_label: str, unit_by
     raise DeviceMemoryError(
         f"this model does not fit {device}: streaming needs {_size(need)} on the device for weights in flight, its "
         f"largest unit {unit_label!r} alone holds {_size(unit_bytes)}, and the device has "
-        f"{_size(room.free + room.held)} free for it ({_size(room.total)} in all, {_size(room.reserve)} kept in reserve). Split units further with "
-        "OffloadConfig(max_unit_bytes=...) (a block cannot be split below one op's weights), free device memory, "
-        "or use a larger device"
+        f"{_size(room.free + room.held)} free for it ({_size(room.total)} in all, {_size(room.reserve)} kept in "
+        "reserve). Split units further with OffloadConfig(max_unit_bytes=...) (a block cannot be split below one "
+        "op's weights), free device memory, or use a larger device"
     )
 
 
