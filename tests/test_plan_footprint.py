@@ -104,3 +104,19 @@ def test_copies_queued_ahead_that_buy_nothing_are_dropped() -> None:
     assert (wide.notes["peak_device_bytes"], kept.notes["peak_device_bytes"]) == (1600.0, 1350.0)
     assert kept.predicted_step_ms <= wide.predicted_step_ms * 1.005
     assert build_plan(profiles, BW, OffloadConfig(gpu_resident_weight_ratio=0.0)).notes["peak_device_bytes"] == 1350.0
+
+
+def test_heuristic_notes_what_its_step_needs_resident() -> None:
+    """HEURISTIC says how much of its residency shortens the step (the rest fills the budget): in a compute-bound
+    step none of it does, and a budget without the filler plans a step as fast, which is what fitting the card
+    relies on to hold the least memory."""
+    profiles = make_profiles([100] * 6, [3.0] * 6)  # each copy (1 ms) hides behind the unit before it
+    plan = build_plan(profiles, BW, _cfg(device_memory_budget_bytes=10_000))
+    assert plan.notes["resident_bytes"] == 600 and plan.notes["needed_resident_bytes"] == 0
+    lean = build_plan(profiles, BW, _cfg(device_memory_budget_bytes=200))
+    assert lean.notes["resident_bytes"] == 0
+    assert lean.predicted_step_ms == pytest.approx(plan.predicted_step_ms)
+    # a transfer-bound step needs some of it: what it needs is noted, and no more than it holds
+    slow = make_profiles([1000] * 6, [1.0] * 6)
+    plan = build_plan(slow, BW, _cfg(device_memory_budget_bytes=4000))
+    assert 0 < plan.notes["needed_resident_bytes"] <= plan.notes["resident_bytes"]

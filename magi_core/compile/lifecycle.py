@@ -45,10 +45,8 @@ BandwidthFn = Callable[[], float]
 _FIT_ROUNDS = 6
 #: The bisection stops when the planning budgets that fit and do not fit are this close (share of the budget).
 _FIT_RESOLUTION = 1 / 64
-#: Fit-the-card plans: the least device memory whose predicted step is within this share of the fastest plan's.
+#: Fit-the-card plans: less device memory whose predicted step is within this share of the fastest plan's.
 _SAME_STEP = 0.005
-#: Rounds of that search (a bisection over the budget).
-_LEAST_ROUNDS = 6
 
 _bw_lock = threading.Lock()
 _bw_cache: dict[tuple[str, int], float] = {}
@@ -314,28 +312,34 @@ class OffloadLifecycle:
         return self._fit(profiles, self.bandwidth_Bps, cfg, shared, held, args)
 
     def _least_memory(self, fastest: Plan, config: OffloadConfig, spare: int, args: Sequence[Any]) -> Plan:
-        """The plan holding the least device memory whose predicted step is within :data:`_SAME_STEP` of
-        ``fastest``'s (a bisection over the budget): fitting the card never takes memory a step does not use."""
+        """The plan holding less device memory whose predicted step is within :data:`_SAME_STEP` of ``fastest``'s:
+        fitting the card never takes memory a step does not use.
+
+        A policy that notes what its plan needs resident to reach its step (``needed_resident_bytes``; HEURISTIC
+        does, the rest of its residency only fills the budget) is planned again with the budget less the filler
+        (plus room for two units in flight; then less half of it, if that was too slow); a policy that does not
+        keeps ``fastest``.
+        """
+        needed = fastest.notes.get("needed_resident_bytes")
+        resident = fastest.notes.get("resident_bytes", 0.0)
+        if needed is None or needed >= resident:
+            return fastest
         held = self._peer_held()
         target = fastest.predicted_step_ms * (1 + _SAME_STEP) + 1e-9
-        best, hi, lo = fastest, self._holds(fastest, args, held), 0
-        for _ in range(_LEAST_ROUNDS):
-            if hi - lo <= max(1, int(spare * _FIT_RESOLUTION)):
-                break
-            mid = (lo + hi) // 2
+        full = self._holds(fastest, args, held)
+        filler = int(resident - needed)
+        # units no longer resident stream: room for two of them in flight
+        room = 2 * max((u.nbytes for u in self.executor.units), default=0)
+        for budget in (full - filler + room, full - filler // 2):
             try:
-                plan = self._fit_config(config.replace(device_memory_budget_bytes=max(1, mid)), args)
+                plan = self._fit_config(config.replace(device_memory_budget_bytes=max(1, budget)), args)
             except ConfigError:
-                lo = mid
                 continue
             if plan.predicted_step_ms <= target:
-                best, hi = plan, min(mid, self._holds(plan, args, held))
-            else:
-                lo = mid
-        if best is not fastest:
-            logger.info("magi offload: the fastest plan within %d bytes holds %d; %d hold the same step",
-                        spare, self._holds(fastest, args, held), hi)
-        return best
+                logger.info("magi offload: the fastest plan within %d bytes holds %d; %d hold the same step",
+                            spare, full, self._holds(plan, args, held))
+                return plan
+        return fastest
 
     def _peer_held(self) -> dict[tuple[int, int], int]:
         held: dict[tuple[int, int], int] = {}

@@ -19,6 +19,7 @@ fastest is kept (less resident can leave room for copies to run ahead of a balan
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -268,7 +269,12 @@ def stall_removing_residency(
     profiles: Sequence[UnitProfile], cap: int, bandwidth_Bps: float
 ) -> frozenset[int]:
     """Greedy residency: repeatedly keep the unit whose residency shortens the best step most, within ``cap``
-    bytes; when no unit shortens it any more, fill the rest of ``cap`` by least compute per byte.
+    bytes; when no unit shortens it any more, fill the rest of ``cap`` by least compute per byte."""
+    return fill(least_compute_per_byte(profiles), profiles, cap, stall_removing_set(profiles, cap, bandwidth_Bps))
+
+
+def stall_removing_set(profiles: Sequence[UnitProfile], cap: int, bandwidth_Bps: float) -> frozenset[int]:
+    """The units :func:`stall_removing_residency` keeps because they shorten the step (before it fills the rest).
 
     Gains are evaluated lazily: a unit's last computed gain (at first its own transfer time, which bounds
     it) is re-evaluated only when it tops the queue, so a round costs a few timelines, not one per unit.
@@ -282,7 +288,7 @@ def stall_removing_residency(
     used = 0
     current = _earliest(profiles, kept, tms).end[-1]
     if current <= sum(p.compute_ms for p in profiles) * (1 + 1e-12) + 1e-12:
-        return fill(order, profiles, cap)  # nothing stalls: residency cannot shorten the step
+        return kept  # nothing stalls: residency cannot shorten the step
     # entries: (-gain, bytes, rank, unit, round the gain was computed in; -1 = upper bound only)
     heap = [(-tms[u], profiles[u].weight_bytes, rank[u], u, -1) for u in order if profiles[u].weight_bytes <= cap]
     heapq.heapify(heap)
@@ -301,7 +307,7 @@ def stall_removing_residency(
         used += nbytes
         current += neg_gain
         rnd += 1
-    return fill(order, profiles, cap, kept)
+    return kept
 
 
 class HeuristicScheduler:
@@ -316,15 +322,24 @@ class HeuristicScheduler:
         margin = config.prefetch_margin_ms
 
         budget = config.budget_bytes(None)
+        order = least_compute_per_byte(profiles)
+        built: dict[frozenset[int], Plan] = {}  # caps that keep the same units plan the same
 
         def build(cap: int) -> Plan:
-            resident = stall_removing_residency(profiles, cap, bw)
-            plan = heuristic_plan(profiles, resident, bw, margin, self.name, fast_bandwidth_Bps=bandwidth_Bps)
-            plan = fewest_copies_ahead(plan, profiles, bw, margin, bandwidth_Bps)
-            if budget is not None and plan.notes["peak_device_bytes"] > budget:
-                # too many copies ahead of the running unit for the budget: limit them to the look-ahead
-                plan = heuristic_plan(profiles, resident, bw, margin, self.name, window=config.lookahead)
-            return plan
+            needed = stall_removing_set(profiles, cap, bw)
+            resident = fill(order, profiles, cap, needed)
+            plan = built.get(resident)
+            if plan is None:
+                plan = heuristic_plan(profiles, resident, bw, margin, self.name, fast_bandwidth_Bps=bandwidth_Bps)
+                plan = fewest_copies_ahead(plan, profiles, bw, margin, bandwidth_Bps)
+                if budget is not None and plan.notes["peak_device_bytes"] > budget:
+                    # too many copies ahead of the running unit for the budget: limit them to the look-ahead
+                    plan = heuristic_plan(profiles, resident, bw, margin, self.name, window=config.lookahead)
+                built[resident] = plan
+            # what the step needs resident (the rest only fills the cap): a caller after the least memory plans
+            # with that much
+            notes = {**plan.notes, "needed_resident_bytes": float(sum(profiles[u].weight_bytes for u in needed))}
+            return dataclasses.replace(plan, notes=notes)
 
         def fallback() -> Plan:
             return lookahead_plan(self.name, profiles, frozenset(), config.lookahead, bw)
