@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|cap-grid|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset). The device tool brings back at most 8 files, so
@@ -128,6 +128,19 @@ if [ "$what" = first-step ]; then  # time to the first offloaded step against di
   python3 benchmarks/first_step_vs_peers.py --model wan14b --dir "$ck" --out "$OUT/first-step-wan14b.json" \
     --worker-timeout "${MAGI_WORKER_TIMEOUT:-300}" 2>&1 | tail -n 8 || rc=1
   rm -rf "$ck"
+fi
+if [ "$what" = cap-grid ]; then  # step time against card size (benchmarks/cap_grid.py), one process per row, resumable:
+  # each call runs rows for MAGI_CAP_BUDGET seconds and writes $OUT/cap-grid-h200.json (and the plot); put that file
+  # at benchmarks/results/cap-grid-h200.json (or MAGI_CAP_RESUME) before the next call, which resumes from it, until
+  # it reports 0 remaining. MAGI_CAP_MODELS / MAGI_CAP_CAPS / MAGI_CAP_SYSTEMS narrow it (comma lists).
+  prev=${MAGI_CAP_RESUME:-benchmarks/results/cap-grid-h200.json}
+  resume=(); [ -f "$prev" ] && resume=(--resume "$prev")
+  python3 benchmarks/cap_grid.py --models "${MAGI_CAP_MODELS:-llama8b,wan14b,flux}" \
+    --caps "${MAGI_CAP_CAPS:-12GiB,16GiB,24GiB,48GiB,none}" \
+    --systems "${MAGI_CAP_SYSTEMS:-magi_default,magi_r0,diffusers,accelerate}" \
+    --time-budget "${MAGI_CAP_BUDGET:-450}" ${resume[@]+"${resume[@]}"} --out "$OUT/cap-grid-h200.json" \
+    --plot "$OUT/cap-grid-h200.png" > "$OUT/cap-grid.log" 2>&1 || rc=1
+  tail -n 30 "$OUT/cap-grid.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1

@@ -143,6 +143,45 @@ def first_step_run(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def is_cap_grid_doc(doc: dict[str, Any]) -> bool:
+    """True for a ``benchmarks/cap_grid.py`` result."""
+    return doc.get("kind") == "cap-grid" and "rows" in doc
+
+
+def cap_grid_run(doc: dict[str, Any]) -> list[str]:
+    """One grid: per model, a row per system and a column per card size (step ms, x ideal, peak reserved)."""
+    lines = [f"### {', '.join(doc.get('models', []))} on {doc.get('hardware')} - {doc.get('date')}", "",
+             f"torch {doc.get('torch')}, {doc.get('dtype')}, median of {doc.get('steps')} steps; "
+             f"{len(doc.get('remaining') or [])} rows not run yet; commands: "
+             + "; ".join(f"`{c}`" for c in doc.get("commands", [])), ""]
+    caps = list(doc.get("caps", []))
+    for model in doc.get("models", []):
+        rows = [r for r in doc.get("rows", []) if r.get("model") == model]
+        if not rows:
+            continue
+        weights = next((r.get("weight_bytes") for r in rows if r.get("weight_bytes")), None)
+        lines += [f"{model}, {doc.get('tokens', {}).get(model)} tokens, {human_bytes(weights)} of weights: step ms "
+                  "(x ideal; peak reserved), or why it did not run", "",
+                  "| system | " + " | ".join(caps) + " |", "|---|" + "---|" * len(caps)]
+        floors = {r.get("cap"): r.get("card_floor_ms") for r in rows if r.get("card_floor_ms") is not None}
+        lines.append("| card floor ms | " + " | ".join(_f(floors.get(c)) for c in caps) + " |")
+        for system in dict.fromkeys(r.get("system") for r in rows):
+            cells = []
+            for cap in caps:
+                r = next((x for x in rows if x.get("system") == system and x.get("cap") == cap), None)
+                if r is None:
+                    cells.append("-")
+                elif r.get("status") != "ok":
+                    why = str(r.get("reason") or r.get("status")).replace("|", "/").replace("\n", " ")
+                    cells.append(f"{r.get('status')}: {why[:90]}")
+                else:
+                    cells.append(f"{_f(r.get('step_ms'))} ({_f(r.get('ratio_to_ideal'), '{:.2f}')}x; "
+                                 f"{human_bytes(r.get('peak_reserved_bytes'))})")
+            lines.append(f"| {system} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 #: (recogniser, section title, what the section's tables mean, one run's lines) for every kind of script result.
 SECTIONS: tuple[tuple[Callable[[dict[str, Any]], bool], str, str, Callable[[dict[str, Any]], list[str]]], ...] = (
     (is_two_gpu_doc, "One host copy, several GPUs (`benchmarks/llama70b_two_gpus.py`)",
@@ -166,6 +205,12 @@ SECTIONS: tuple[tuple[Callable[[dict[str, Any]], bool], str, str, Callable[[dict
      "`enable_group_offload`, block level, with a copy stream), accelerate (`load_checkpoint_and_dispatch` to the "
      "CPU + `cpu_offload`). magi-core's first output includes Dynamo's trace and the units' compiles.",
      first_step_run),
+    (is_cap_grid_doc, "Step time against card size (`benchmarks/cap_grid.py`)",
+     "Each cell is a process of its own whose device memory was capped at the column's size before its first "
+     "allocation (`magi bench --device-memory`; on CUDA the caching allocator's memory fraction), so it ran as on a "
+     "card of that size; `none` is the whole card. x ideal: the step against max(the uncapped resident compiled "
+     "step, the bytes it streams / its process's pinned link rate); card floor: max(that compute, (weights - card) "
+     "/ link), what any system must stream at that size.", cap_grid_run),
 )
 
 

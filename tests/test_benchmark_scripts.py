@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,3 +109,104 @@ def test_llama70b_rehearsal_two_gloo_ranks_one_host_copy(tmp_path: Path) -> None
         assert r["ideal_ms"] == pytest.approx(want) and r["x_ideal"] == pytest.approx(r["step_ms"] / want)
         assert r["load"]["strict"] and not r["load"]["missing"] and r["plans"]
     assert doc["targets"]["step <= 1.02x ideal"] == all(r["x_ideal"] <= 1.02 for r in ranks)
+
+
+def _cap_grid_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cap_grid_script", ROOT / "benchmarks" / "cap_grid.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cap_grid_runs_each_row_in_its_own_process_and_resumes(tmp_path: Path) -> None:
+    """Tiny llama8b on the CPU backend: the uncapped row runs, the capped one is a failed row saying the cpu backend
+    cannot cap; a second call finds both done and runs nothing."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "grid.json"
+    argv = ["--models", "llama8b", "--tokens", "llama8b=16", "--caps", "none,12GiB", "--systems", "magi_r0",
+            "--no-resident", "--out", str(out)]
+    first = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cap_grid.py"), *argv], capture_output=True,
+                           text=True, timeout=600, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = {r["cap"]: r for r in doc["rows"]}
+    assert doc["kind"] == "cap-grid" and doc["complete"] and doc["remaining"] == []
+    assert rows["none"]["status"] == "ok" and rows["none"]["step_ms"] > 0
+    assert rows["none"]["label"] == "magi HEURISTIC r=0"
+    assert rows["none"]["streamed_bytes"] >= rows["none"]["weight_bytes"] > 0 and rows["none"]["ideal_ms"] > 0
+    assert "--device-memory" not in rows["none"]["command"] and "--device-memory 12GiB" in rows["12GiB"]["command"]
+    capped = rows["12GiB"]
+    assert capped["status"] == "failed" and capped["cap_bytes"] == 12 << 30
+    assert capped["reason"].startswith("magi bench: backend cpu cannot cap device memory")
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cap_grid.py"), *argv], capture_output=True,
+                           text=True, timeout=600, cwd=tmp_path)
+    assert again.returncode == 0 and "2 rows, 1 ok, 0 remaining" in again.stdout
+    redone = json.loads(out.read_text())
+    assert redone["rows"] == doc["rows"] and len(redone["commands"]) == 2
+
+
+def test_cap_grid_ideal_floor_order_and_time_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    grid = _cap_grid_module()
+    rows = grid.plan_rows(["llama8b", "flux"], ["12GiB", "none"], ["magi_r0", "accelerate"], grid.TOKENS, True)
+    assert [r["key"] for r in rows[:3]] == ["llama8b/2048/none/resident", "llama8b/2048/12GiB/magi_r0",
+                                           "llama8b/2048/12GiB/accelerate"] and len(rows) == 10
+    gib = 1 << 30
+    doc = {"rows": [
+        {"model": "m", "tokens": 1, "cap": "none", "system": "resident", "status": "ok", "step_ms": 100.0,
+         "streamed_bytes": 0, "weight_bytes": 20 * gib, "h2d_GBps": 50.0,
+         "device_memory": {"seen": {"total": 140 * gib}}},
+        {"model": "m", "tokens": 1, "cap": "12GiB", "cap_bytes": 12 * gib, "system": "magi_r0", "status": "ok",
+         "step_ms": 500.0, "streamed_bytes": 20 * gib, "weight_bytes": 20 * gib, "h2d_GBps": 50.0},
+        {"model": "m", "tokens": 1, "cap": "12GiB", "cap_bytes": 12 * gib, "system": "magi_default",
+         "status": "failed", "reason": "OutOfMemoryError"},
+    ]}
+    grid.derive(doc)
+    resident, r0, failed = doc["rows"]
+    link_ms = 20 * gib / 50e9 * 1e3
+    assert resident["ideal_ms"] == 100.0 and resident["card_bytes"] == 140 * gib and resident["card_floor_ms"] == 100.0
+    assert r0["compute_ms"] == 100.0 and r0["ideal_link_ms"] == pytest.approx(link_ms)
+    assert r0["ideal_ms"] == pytest.approx(link_ms) and r0["ratio_to_ideal"] == pytest.approx(500.0 / link_ms)
+    assert r0["card_floor_ms"] == pytest.approx(max(100.0, 8 * gib / 50e9 * 1e3))
+    assert "ideal_ms" not in failed and failed["card_floor_ms"] == r0["card_floor_ms"]
+    args = grid.argparse.Namespace(steps=3, warmup=1, dtype="bf16", layers=None, quick=False)
+    cmd = grid.bench_command({"model": "flux", "tokens": 4096, "cap": "16GiB", "system": "accelerate"}, args,
+                             tmp_path / "p.json")
+    assert cmd[1:6] == ["-m", "magi_core", "bench", "--models", "flux"]
+    assert {"--accelerate-device-map", "--no-host-timing", "--no-overhead-probe"} <= set(cmd)
+    assert cmd[cmd.index("--device-memory") + 1] == "16GiB" and cmd[cmd.index("--steps") + 1] == "3"
+    assert grid._tokens("flux=8192") == {**grid.TOKENS, "flux": 8192}
+    # a time budget that fits no row: nothing runs, every row is left for the next call
+    calls: list[str] = []
+    monkeypatch.setattr(grid, "run_row", lambda row, *a: calls.append(row["key"]) or {})
+    ns = grid.argparse.Namespace(models=["flux"], caps=["none"], systems=["magi_r0"], tokens=grid.TOKENS,
+                                 no_resident=True, resume=None, out=tmp_path / "g.json", retry_failed=False,
+                                 time_budget=10.0, worker_timeout=60.0, steps=3, dtype="bf16")
+    left = grid.run_grid(ns)
+    assert calls == [] and left["remaining"] == ["flux/4096/none/magi_r0"] and not left["complete"]
+
+
+def test_cap_grid_report_section_and_plot(tmp_path: Path) -> None:
+    """docs/BENCHMARKS.md gets a table per model (a column per card size); the plot a panel per model."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from script_report import is_cap_grid_doc, scripts_markdown
+
+    grid = _cap_grid_module()
+    gib = 1 << 30
+    doc = {"kind": "cap-grid", "models": ["flux"], "caps": ["12GiB", "none"], "systems": ["magi_r0"],
+           "tokens": {"flux": 4096}, "steps": 3, "dtype": "bf16", "commands": ["python benchmarks/cap_grid.py"],
+           "remaining": [], "hardware": "H", "date": "2026-12-03", "rows": [
+               {"model": "flux", "tokens": 4096, "cap": "none", "system": "magi_r0", "status": "ok", "step_ms": 450.0,
+                "streamed_bytes": 24 * gib, "weight_bytes": 24 * gib, "h2d_GBps": 55.0, "peak_reserved_bytes": gib,
+                "device_memory": {"seen": {"total": 140 * gib}}},
+               {"model": "flux", "tokens": 4096, "cap": "12GiB", "cap_bytes": 12 * gib, "system": "magi_r0",
+                "status": "failed", "reason": "OutOfMemoryError: | out of memory"}]}
+    grid.derive(doc)
+    assert is_cap_grid_doc(doc)
+    text = "\n".join(scripts_markdown([doc]))
+    assert "| system | 12GiB | none |" in text and "| magi_r0 | failed: OutOfMemoryError: / out of memory |" in text
+    assert "450.0 (0.96x; 1.074 GB)" in text
+    pytest.importorskip("matplotlib")
+    assert grid.plot(doc, tmp_path / "grid.png") == tmp_path / "grid.png" and (tmp_path / "grid.png").stat().st_size
