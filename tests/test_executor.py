@@ -35,7 +35,7 @@ def _fresh_dynamo():
 
 
 def compiled(model: torch.nn.Module, **options):
-    opts = {"unit_compiler": "eager", "warmup_calls": 2, **options}
+    opts = {"unit_compiler": "eager", "warmup_calls": 2, "gpu_resident_weight_ratio": 0.0, **options}
     return compile_tracked(model, options=opts)
 
 

@@ -137,7 +137,8 @@ def test_executor_copies_and_plans_only_through_its_transfer() -> None:
     made: list[HalfPriceTransfer] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        runtime = build_runtime(gm, example_inputs, OffloadConfig(policy="BASE", unit_compiler="eager"))
+        cfg = OffloadConfig(policy="BASE", gpu_resident_weight_ratio=0.0, unit_compiler="eager")
+        runtime = build_runtime(gm, example_inputs, cfg)
         t = HalfPriceTransfer(get_backend(), runtime.executor.device)
         runtime.executor.transfer = t
         made.append(t)
@@ -162,7 +163,8 @@ def test_handle_planning_accounts_bytes_through_the_transfer() -> None:
     h = OffloadHandle("m")
     model = build_transformer(SPEC).eval()
     x = example_input(SPEC, tokens=6)
-    f = torch.compile(model, backend=h.backend, options={"policy": "BASE", "unit_compiler": "eager"})
+    f = torch.compile(model, backend=h.backend,
+                      options={"policy": "BASE", "gpu_resident_weight_ratio": 0.0, "unit_compiler": "eager"})
     with torch.no_grad():
         for _ in range(3):
             f(x)

@@ -100,9 +100,9 @@ class SourceKeeper:
 class PerTensorTransfer:
     """One non-blocking host-to-device copy per weight on a dedicated copy stream, one event per batch.
 
-    On an accelerator every copy reads a view of its weight's data taken when it is issued, kept alive until the
+    Every copy reads a view of its weight's data taken when it is issued, kept alive (on an accelerator) until the
     copy completes (:class:`SourceKeeper`): a weight rebound by another thread reaches the device whole, old or
-    new, never freed memory.
+    new, never freed memory. On the host backend the "copy" is that view itself.
     """
 
     def __init__(self, backend: Backend, device: torch.device) -> None:
@@ -142,7 +142,9 @@ class PerTensorTransfer:
     ) -> tuple[list[torch.Tensor], Any]:
         """Copy ``hosts`` on the copy stream; ``event`` (optional) is re-recorded instead of creating one."""
         device = self.device
-        sources = [h.detach() for h in hosts] if self._needs_release else hosts
+        # a view per weight, taken now: it holds the storage, so another thread rebinding ``.data`` cannot free the
+        # bytes while a copy (or, on the host backend, the unit computing with them) reads them
+        sources = [h.detach() for h in hosts]
         with self._stream_ctx(self.copy_stream):
             outs = [h.to(device, non_blocking=True) for h in sources]
             ev = self._event() if event is None else event

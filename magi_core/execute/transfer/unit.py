@@ -247,7 +247,7 @@ class UnitTransfer(PerTensorTransfer):
         self._owner = {}
         for slot in self._slots:
             if slot.event is not None and slot.copies and self._needs_release:
-                self._sources.keep(slot.event, slot.copies)
+                self._sources.keep(slot.event, [host for _, host in slot.copies])
             slot.key, slot.views, slot.copies, slot.event = None, (), (), None
 
     def fetch(
@@ -336,7 +336,8 @@ class UnitTransfer(PerTensorTransfer):
         for v in slot.views:
             self._owner.pop(id(v), None)
         if slot.event is not None and slot.copies and self._needs_release:
-            self._sources.keep(slot.event, slot.copies)  # the last copies may still be reading the old sources
+            # the last copies may still be reading the old sources (the device views go: they hold the buffer)
+            self._sources.keep(slot.event, [host for _, host in slot.copies])
         slot.views = tuple(v for v in views if v is not None)
         slot.copies = tuple(copies)
         slot.key = key
