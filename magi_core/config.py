@@ -43,8 +43,10 @@ ENV_PREFIX = OFFLOAD_PREFIX
 DEFAULT_PROBE_BYTES_ACCELERATOR = GIB
 DEFAULT_PROBE_BYTES_CPU = 16 * MIB
 #: Device memory the fit-the-card budget leaves free besides the measured activation peak: what the
-#: allocator's fragmentation, the runtime's workspaces and kernels' scratch memory take.
+#: allocator's fragmentation, the runtime's workspaces and kernels' scratch memory take: this many bytes plus
+#: :data:`DEVICE_RESERVE_SHARE` of the device's memory.
 DEVICE_RESERVE_BYTES = GIB // 2
+DEVICE_RESERVE_SHARE = 0.05
 #: Values of ``OffloadConfig.unit_compiler``.
 UNIT_COMPILERS = ("auto", "inductor", "eager")
 #: How streamed weights are copied: "auto" (by backend kind), one copy per unit into a planned device buffer,
@@ -90,7 +92,7 @@ class OffloadConfig:
     or the name of a plugin policy; any case. With neither ``gpu_resident_weight_ratio`` nor
     ``device_memory_budget_bytes`` set (the default) the plan fits the card: the fastest plan within what the
     device can spare when planning (free memory less the activation peak measured in warm-up and a reserve,
-    :data:`DEVICE_RESERVE_BYTES`), holding the least memory that step needs; on a backend that cannot say how
+    :data:`DEVICE_RESERVE_BYTES` plus :data:`DEVICE_RESERVE_SHARE` of the device), holding the least memory that step needs; on a backend that cannot say how
     much memory its device has (the host backend) every weight streams. ``gpu_resident_weight_ratio`` in [0, 1]:
     at most this share of all weight bytes stays resident on the device (at 1, with no ``max_unit_bytes``,
     nothing streams and the graph is compiled whole, as one unit); a ratio whose plan does not fit what the

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from magi_core.config import DEVICE_RESERVE_BYTES
+from magi_core.config import DEVICE_RESERVE_BYTES, DEVICE_RESERVE_SHARE
 from magi_core.errors import DeviceMemoryError
 from magi_core.plugin.facade import Backend
 
@@ -36,6 +36,7 @@ class DeviceRoom:
     held: int
     #: The largest activation peak measured in the model's warm-up calls.
     activations: int
+    #: Kept free for fragmentation and workspaces (:func:`device_reserve`).
     reserve: int = DEVICE_RESERVE_BYTES
 
     @property
@@ -50,12 +51,28 @@ class DeviceRoom:
                 f"{_size(self.spare)} for weights")
 
 
-def device_room(backend: Backend, device: torch.device, held: int, activations: int) -> DeviceRoom | None:
-    """The device's room now, or None when the backend cannot say how much memory its device has."""
+def device_reserve(total: int) -> int:
+    """Bytes the fit-the-card budget keeps free on a device of ``total`` bytes."""
+    return DEVICE_RESERVE_BYTES + int(DEVICE_RESERVE_SHARE * total)
+
+
+def device_room(backend: Backend, device: torch.device, held: int, activations: int,
+                release_cached: bool = False) -> DeviceRoom | None:
+    """The device's room now, or None when the backend cannot say how much memory its device has.
+
+    ``release_cached``: first hand the caching allocator's unused blocks back (the device module's
+    ``empty_cache``), so what is free is one clean pool, not fragments of earlier allocations.
+    """
+    if release_cached:
+        empty = getattr(backend.device_module, "empty_cache", None)
+        if callable(empty):
+            empty()
     info = backend.device_memory(device)
     if info is None:
         return None
-    return DeviceRoom(free=int(info.free), total=int(info.total), held=held, activations=activations)
+    total = int(info.total)
+    return DeviceRoom(free=int(info.free), total=total, held=held, activations=activations,
+                      reserve=device_reserve(total))
 
 
 class PeakMeter:
@@ -105,4 +122,4 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-__all__ = ["DeviceRoom", "PeakMeter", "check_unit_fits", "device_room"]
+__all__ = ["DeviceRoom", "PeakMeter", "check_unit_fits", "device_reserve", "device_room"]

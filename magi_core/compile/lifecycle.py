@@ -48,6 +48,9 @@ _FIT_RESOLUTION = 1 / 64
 #: Fit-the-card plans: less device memory whose predicted step is within this share of the fastest plan's.
 _SAME_STEP = 0.005
 
+#: The smallest default bandwidth probe (and its granularity) on a card with little free memory.
+_MIN_PROBE_BYTES = 16 << 20
+
 _bw_lock = threading.Lock()
 _bw_cache: dict[tuple[str, int], float] = {}
 
@@ -55,6 +58,11 @@ _bw_cache: dict[tuple[str, int], float] = {}
 def cached_bandwidth(backend: Backend, device: torch.device, config: OffloadConfig) -> float:
     """Host-to-device bandwidth in bytes/s, measured once per process and device (this rank's own)."""
     nbytes = config.probe_bytes(backend.is_accelerator)
+    if config.bandwidth_probe_bytes is None and backend.is_accelerator:
+        # the default probe on a small or busy card: a quarter of what it has free (a few MiB copy at link speed)
+        info = backend.device_memory(device)
+        if info is not None:
+            nbytes = min(nbytes, max(_MIN_PROBE_BYTES, info.free // 4 // _MIN_PROBE_BYTES * _MIN_PROBE_BYTES))
     key = (str(device), nbytes)
     with _bw_lock:
         if key not in _bw_cache:
@@ -247,7 +255,7 @@ class OffloadLifecycle:
                 if shared is None or getattr(r.executor.transfer, "shared", None) is not shared:
                     held += _buffer_bytes(r)
             held += sum(counted.values())
-        return device_room(ex.backend, ex.device, held, activations)
+        return device_room(ex.backend, ex.device, held, activations, release_cached=with_peers)
 
     def _check_fits(self, plan: Plan) -> None:
         """Before anything is allocated: a plan streaming one unit after another must fit the device."""
