@@ -92,7 +92,8 @@ class OffloadConfig:
     or the name of a plugin policy; any case. With neither ``gpu_resident_weight_ratio`` nor
     ``device_memory_budget_bytes`` set (the default) the plan fits the card: the fastest plan within what the
     device can spare when planning (free memory less the activation peak measured in warm-up and a reserve,
-    :data:`DEVICE_RESERVE_BYTES` plus :data:`DEVICE_RESERVE_SHARE` of the device), holding the least memory that step needs; on a backend that cannot say how
+    :data:`DEVICE_RESERVE_BYTES` plus :data:`DEVICE_RESERVE_SHARE` of the device), holding the least memory that
+    step needs; on a backend that cannot say how
     much memory its device has (the host backend) every weight streams. ``gpu_resident_weight_ratio`` in [0, 1]:
     at most this share of all weight bytes stays resident on the device (at 1, with no ``max_unit_bytes``,
     nothing streams and the graph is compiled whole, as one unit); a ratio whose plan does not fit what the
