@@ -46,7 +46,7 @@ DEFAULT_PROBE_BYTES_CPU = 16 * MIB
 #: allocator's fragmentation, the runtime's workspaces and kernels' scratch memory take: this many bytes plus
 #: :data:`DEVICE_RESERVE_SHARE` of the device's memory.
 DEVICE_RESERVE_BYTES = GIB // 2
-DEVICE_RESERVE_SHARE = 0.05
+DEVICE_RESERVE_SHARE = 0.1
 #: Values of ``OffloadConfig.unit_compiler``.
 UNIT_COMPILERS = ("auto", "inductor", "eager")
 #: How streamed weights are copied: "auto" (by backend kind), one copy per unit into a planned device buffer,
