@@ -51,6 +51,13 @@ class DeviceRoom:
                 f"{_size(self.spare)} for weights")
 
 
+def release_cached_blocks(backend: Backend) -> None:
+    """Hand the device allocator's unused cached blocks back (the device module's ``empty_cache``, where it has one)."""
+    empty = getattr(backend.device_module, "empty_cache", None)
+    if callable(empty):
+        empty()
+
+
 def device_reserve(total: int) -> int:
     """Bytes the fit-the-card budget keeps free on a device of ``total`` bytes."""
     return DEVICE_RESERVE_BYTES + int(DEVICE_RESERVE_SHARE * total)
@@ -64,9 +71,7 @@ def device_room(backend: Backend, device: torch.device, held: int, activations: 
     ``empty_cache``), so what is free is one clean pool, not fragments of earlier allocations.
     """
     if release_cached:
-        empty = getattr(backend.device_module, "empty_cache", None)
-        if callable(empty):
-            empty()
+        release_cached_blocks(backend)
     info = backend.device_memory(device)
     if info is None:
         return None
@@ -122,4 +127,4 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-__all__ = ["DeviceRoom", "PeakMeter", "check_unit_fits", "device_reserve", "device_room"]
+__all__ = ["DeviceRoom", "PeakMeter", "check_unit_fits", "device_reserve", "device_room", "release_cached_blocks"]

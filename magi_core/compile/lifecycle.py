@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from magi_core.compile.device_room import DeviceRoom, PeakMeter, check_unit_fits, device_room
+from magi_core.compile.device_room import DeviceRoom, PeakMeter, check_unit_fits, device_room, release_cached_blocks
 from magi_core.config import OffloadConfig, Policy
 from magi_core.errors import ConfigError, DeviceMemoryError
 from magi_core.execute.actions import unit_profiles, weight_owners
@@ -195,6 +195,10 @@ class OffloadLifecycle:
         with self.plan_lock if self.plan_lock is not None else contextlib.nullcontext():
             plan = self._plan_for_device(args)
             actions = self.executor.set_plan(plan)
+            if self.device_budget_bytes is not None:
+                # a copy buffer the plan replaced goes back to the device, not into the allocator's cache, where
+                # its fragments could not serve the resident copies and activations the budget counted on
+                release_cached_blocks(self.executor.backend)
             self.resident_hosts = {_key(args[i]): int(args[i].nbytes) for i in actions.resident}
             self.predicted_peak_bytes = self._own_bytes() + self.activation_bytes
             self.phase = "planned"
