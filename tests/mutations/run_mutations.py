@@ -225,6 +225,64 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        except MagiError:\n            raise\n",
         (("core", ("tests/test_host_distributed.py::test_a_problem_of_one_ranks_model_raises_on_every_rank",)),),
     ),
+    Mutation(
+        "r", "residency: a resident copy another runtime (input shape) made is taken as it is, so an edit followed by "
+        "a new input shape computes with the copy made before the edit",
+        "magi_core/execute/residency.py",
+        "                if not made and i in changed:",
+        "                if False:",
+        (("core", ("tests/test_weight_updates.py",)),),
+    ),
+    Mutation(
+        "s", "transfer: copies read the weight itself, not a view taken when they are issued, so a .data rebound by "
+        "another thread frees the bytes a queued copy (or a host unit) still reads",
+        "magi_core/execute/transfer/base.py",
+        "        sources = [h.detach() for h in hosts]\n",
+        "        sources = list(hosts)\n",
+        (("core", ("tests/test_weight_updates.py",)), ("privateuse1", ("tests/test_weight_updates.py",))),
+    ),
+    Mutation(
+        "t", "passes: mutation tracking stops following indexing views, so a buffer written through buf[i].copy_() "
+        "counts as a static weight and the write lands on a device copy",
+        "magi_core/passes/weights.py",
+        "        if user.target is operator.getitem:\n            return True\n",
+        "        if user.target is operator.getitem:\n            return False\n",
+        (("core", ("tests/test_weight_updates.py",)),),
+        extra=(("magi_core/passes/weights.py", '"view_as_real", "view_as_complex", "__getitem__",',
+                '"view_as_real", "view_as_complex",'),),
+    ),
+    Mutation(
+        "u", "exchange: the step agreement is keyed on the weights' identity without their data pointers, so a "
+        "param.data rebound after planning is not agreed again",
+        "magi_core/execute/transfer/exchange.py",
+        "(id(args[w]), args[w].data_ptr()) for ws in batches for w in ws",
+        "(id(args[w]),) for ws in batches for w in ws",
+        (("core", ("tests/test_exchange.py",)),),
+    ),
+    Mutation(
+        "v", "unit transfer: batches issued at step start (before any unit's gate) are not ordered after the compute "
+        "stream, so a fixed place may be overwritten while the previous step still reads it",
+        "magi_core/execute/transfer/unit.py",
+        "        if slot.gate:\n",
+        "        if False:\n",
+        (("core", ("tests/test_executor_recording.py",)),),
+    ),
+    Mutation(
+        "w", "executor: close() does not wait for the step running, so a release racing a call tears its state down "
+        "mid-step (a raw shape error instead of the 'was released' one)",
+        "magi_core/execute/executor.py",
+        "        with self._lock:\n            self._close()\n",
+        "        self._close()\n",
+        (("core", ("tests/test_offload_api.py",)),),
+    ),
+    Mutation(
+        "x", "planning: HEURISTIC keeps the latest-trigger plan whatever it holds, so copies queued ahead of compute "
+        "take device memory without shortening the step",
+        "magi_core/plan/heuristic.py",
+        "            plan = fewest_copies_ahead(plan, profiles, bw, margin, bandwidth_Bps)\n",
+        "",
+        (("core", ("tests/test_plan_footprint.py",)),),
+    ),
 )
 
 
