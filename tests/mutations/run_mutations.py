@@ -280,7 +280,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "take device memory without shortening the step",
         "magi_core/plan/heuristic.py",
         "            plan = fewest_copies_ahead(plan, profiles, bw, margin, bandwidth_Bps)\n",
-        "",
+        "            plan = plan\n",
         (("core", ("tests/test_plan_footprint.py",)),),
     ),
 )
