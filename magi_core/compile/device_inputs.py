@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from magi_core.compile.object_inputs import MAX_DEPTH, ObjectSwap, walkable
 from magi_core.errors import MagiError
 
 if TYPE_CHECKING:
@@ -51,32 +52,55 @@ def substituting(subs: dict[int, torch.Tensor]) -> Iterator[None]:
 class ProxyPool:
     """Host proxies by (shape, stride, dtype), created once and reused across calls; never filled.
 
-    ``fill_value`` (tests only) fills each new proxy, e.g. with NaN to show that nothing ever reads one.
+    Only the ``max_layouts`` layouts used most recently are kept: a growing KV cache brings a new layout every
+    step, and the proxies of past lengths would otherwise stay allocated. ``fill_value`` (tests only) fills each
+    new floating-point proxy, e.g. with NaN to show that nothing ever reads one (integer proxies get their dtype's
+    minimum, an index no lookup accepts).
     """
 
-    def __init__(self, fill_value: float | None = None) -> None:
+    def __init__(self, fill_value: float | None = None, max_layouts: int = 64) -> None:
         self._pool: dict[ProxyKey, list[torch.Tensor]] = {}
         self._fill = fill_value
+        self.max_layouts = max_layouts
 
     def take(self, t: torch.Tensor, used: dict[ProxyKey, int]) -> torch.Tensor:
         """The next proxy for ``t``'s layout not yet ``used`` in this call (distinct inputs get distinct proxies)."""
         key: ProxyKey = (tuple(t.shape), tuple(t.stride()), t.dtype)
         n = used.get(key, 0)
         used[key] = n + 1
-        proxies = self._pool.setdefault(key, [])
+        proxies = self._pool.pop(key, None)
+        if proxies is None:
+            proxies = []
+            self._evict(used)
+        self._pool[key] = proxies  # most recently used last
         if n == len(proxies):
             p = torch.empty_strided(key[0], key[1], dtype=key[2], device="cpu")
             if self._fill is not None:
-                p.fill_(self._fill)
+                _poison(p, self._fill)
             proxies.append(p)
         return proxies[n]
 
+    def _evict(self, used: dict[ProxyKey, int]) -> None:
+        """Drop the least recently used layouts beyond the bound, never one this call uses."""
+        for key in list(self._pool):
+            if len(self._pool) < self.max_layouts:
+                return
+            if key not in used:
+                del self._pool[key]
+
     def proxies(self) -> list[torch.Tensor]:
-        """Every proxy made so far."""
+        """Every proxy kept."""
         return [p for ps in self._pool.values() for p in ps]
 
     def __len__(self) -> int:
         return sum(len(ps) for ps in self._pool.values())
+
+
+def _poison(p: torch.Tensor, fill: float) -> None:
+    if p.dtype.is_floating_point or p.dtype.is_complex:
+        p.fill_(fill)
+    elif p.dtype != torch.bool:
+        p.fill_(torch.iinfo(p.dtype).min)
 
 
 def replace_device_tensors(
@@ -86,49 +110,41 @@ def replace_device_tensors(
     subs: dict[int, torch.Tensor],
     seen: dict[int, torch.Tensor],
     used: dict[ProxyKey, int],
+    objects: ObjectSwap | None = None,
 ) -> Any:
     """``value`` with every device tensor (recursively through tuples, lists and dicts) replaced by a host proxy.
 
     Records ``id(proxy) -> device tensor`` in ``subs``; the same device tensor twice gets the same proxy (``seen``).
+    Other objects are handed to ``objects`` (which swaps the tensors in their attributes in place), else left.
     """
     if isinstance(value, torch.Tensor):
-        if not is_device(value):
-            return value
-        p = seen.get(id(value))
-        if p is None:
-            p = pool.take(value, used)
-            seen[id(value)] = p
-            subs[id(p)] = value
-        return p
+        p = proxy_for(value, is_device, pool, subs, seen, used)
+        return value if p is None else p
     if isinstance(value, (list, tuple, dict)):
-        return _map_container(value, lambda v: replace_device_tensors(v, is_device, pool, subs, seen, used))
+        return _map_container(value, lambda v: replace_device_tensors(v, is_device, pool, subs, seen, used, objects))
+    if objects is not None and walkable(value):
+        objects.enter(value)
     return value
 
 
-def _device_tensors_in_objects(value: Any, is_device: Callable[[torch.Tensor], bool], depth: int = 6) -> list[str]:
-    """``Type.attr`` of the objects (not tensors, lists, tuples or dicts) within ``value`` whose attribute holds a
-    device tensor, at most ``depth`` levels down (after a failure: what :func:`replace_device_tensors` cannot
-    reach)."""
-    found: list[str] = []
-
-    def visit(v: Any, d: int, where: str | None) -> None:  # where: the object attribute ``v`` lies in, if any
-        if isinstance(v, torch.Tensor):
-            if where is not None and where not in found and is_device(v):
-                found.append(where)
-            return
-        if d <= 0:
-            return
-        if isinstance(v, (list, tuple)):
-            items = [(x, where) for x in v]
-        elif isinstance(v, dict):
-            items = [(x, where) for x in v.values()]
-        else:
-            items = [(x, where or f"{type(v).__name__}.{k}") for k, x in getattr(v, "__dict__", {}).items()]
-        for x, w in items:
-            visit(x, d - 1, w)
-
-    visit(value, depth, None)
-    return found
+def proxy_for(
+    t: torch.Tensor,
+    is_device: Callable[[torch.Tensor], bool],
+    pool: ProxyPool,
+    subs: dict[int, torch.Tensor],
+    seen: dict[int, torch.Tensor],
+    used: dict[ProxyKey, int],
+) -> torch.Tensor | None:
+    """The host proxy standing in for ``t`` in this call (recorded in ``subs``), or None when ``t`` is no device
+    tensor."""
+    if not is_device(t):
+        return None
+    p = seen.get(id(t))
+    if p is None:
+        p = pool.take(t, used)
+        seen[id(t)] = p
+        subs[id(p)] = t
+    return p
 
 
 def restore_device_tensors(value: Any, subs: dict[int, torch.Tensor]) -> Any:
@@ -339,9 +355,11 @@ class OffloadedForward:
         seen: dict[int, torch.Tensor] = {}
         used: dict[ProxyKey, int] = {}
         pool, is_device = self.pool, self.is_device
-        pargs = replace_device_tensors(args, is_device, pool, subs, seen, used)
-        pkwargs = replace_device_tensors(kwargs, is_device, pool, subs, seen, used)
+        objects = ObjectSwap(lambda t: proxy_for(t, is_device, pool, subs, seen, used))
+        out: Any = None
         try:
+            pargs = replace_device_tensors(args, is_device, pool, subs, seen, used, objects)
+            pkwargs = replace_device_tensors(kwargs, is_device, pool, subs, seen, used, objects)
             if not subs:
                 return self.compiled(*args, **kwargs)
             self.substituted_calls += 1
@@ -355,16 +373,20 @@ class OffloadedForward:
             if isinstance(e, MagiError):
                 raise
             if isinstance(e, torch._dynamo.exc.TorchDynamoException):
-                explained = self._device_state_error(e, (args, kwargs))
+                explained = self._device_state_error(e, (args, kwargs), objects.too_deep)
                 if explained is not None:
                     raise explained from e
             if not is_graph_break(e):
                 raise
             raise graph_break_error(e, self.model_name) from e
+        finally:
+            if subs:  # the caller's objects hold their device tensors again (or what the forward wrote), no proxy
+                objects.restore(subs, out)
 
-    def _device_state_error(self, e: Exception, inputs: Any) -> MagiError | None:
+    def _device_state_error(self, e: Exception, inputs: Any, too_deep: list[str]) -> MagiError | None:
         """Dynamo failed: the error saying so when device tensors met the host weights where no proxy stands in
-        for them (the model's own parameters or buffers, or an input object's attributes), else None."""
+        for them (the model's own parameters or buffers, or input objects nested deeper than the walk goes), else
+        None."""
         caused = f"The error they caused: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         host = self.handle.host if self.handle is not None else None
         model = host.model if host is not None else None
@@ -379,11 +401,10 @@ class OffloadedForward:
                 "leaves the offloaded ones there and moves only tensors added after offload). Keep them on the "
                 "host: assign host tensors (register_buffer(name, t.cpu()), nn.Parameter(t.cpu())), or "
                 f"magi_core.release(model, restore=True), change the model and offload it again. {caused}")
-        held = _device_tensors_in_objects(inputs, self.is_device)
-        if held:
+        if too_deep:
             return MagiError(
-                f"{self.model_name}: device tensors inside {', '.join(held[:4])} reached the compiled forward as "
-                "they are: only tensors passed directly or in lists, tuples and dicts are handed over as host "
-                "proxies, and the model's weights are on the host. Pass such state on the host, or not at all "
-                f"(transformers' generate with a KV cache: generate(..., use_cache=False)). {caused}")
+                f"{self.model_name}: the objects at {', '.join(too_deep[:4])} lie more than {MAX_DEPTH} objects deep "
+                "in the arguments, past where device tensors are handed to the compiled forward as host proxies: "
+                "a device tensor held there met the model's host weights. Pass that state less deeply nested, or "
+                f"on the host. {caused}")
         return None
