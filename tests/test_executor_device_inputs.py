@@ -9,7 +9,9 @@ filled with NaN, so any read of one would show in the outputs.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -37,6 +39,15 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def accelerator():
+    """The active backend, when its device has memory of its own (magidev, CUDA); skips on the CPU backend."""
+    backend = get_backend()
+    if not backend.is_accelerator:
+        pytest.skip("needs a device with its own memory (magidev, CUDA): on the CPU backend the host is the device")
+    return backend
 
 
 def _on_device(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -277,5 +288,239 @@ def test_magi_error_raised_by_the_backend_comes_out_unwrapped(monkeypatch):
         offload(model, CFG)
         with pytest.raises(ConfigError, match="refused this graph"), torch.no_grad():
             model(torch.randn(2, 16))  # not torch._dynamo.exc.BackendCompilerFailed
+    finally:
+        release(model, restore=True)
+
+
+# -- device tensors inside argument objects: proxies in place for the call, the caller's tensors afterwards -------
+class _Slotted:
+    __slots__ = ("keys", "spare")
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    value: torch.Tensor
+    label: str = "frozen"
+
+
+class _Holder:
+    """An object with every kind of place a device tensor can sit in."""
+
+    def __init__(self, a, b, host) -> None:
+        self.a = a
+        self.pair = (a, host)
+        self.items = [b, {"k": a}]
+        self.slotted = _Slotted(b)
+        self.frozen = _Frozen(b)
+        self.module = torch.nn.Linear(2, 2)  # modules are never walked (their tensors are the offloaded weights)
+        self.me = self  # a cycle
+
+
+def _swap_for(is_dev, pool=None):
+    from magi_core.compile.device_inputs import proxy_for
+    from magi_core.compile.object_inputs import ObjectSwap
+
+    pool = pool if pool is not None else ProxyPool(fill_value=math.nan)
+    subs, seen, used = {}, {}, {}
+    return ObjectSwap(lambda t: proxy_for(t, is_dev, pool, subs, seen, used)), subs
+
+
+def test_object_swap_puts_proxies_in_the_callers_objects_and_restores_the_same_objects():
+    a, b, host = torch.randn(2, 3), torch.randn(4), torch.randn(5)
+    h = _Holder(a, b, host)
+    pair, items, inner = h.pair, h.items, h.items[1]
+    swap, subs = _swap_for(_marked(a, b))
+    swap.enter(h)
+    pa = h.a
+    assert pa is not a and subs[id(pa)] is a and torch.isnan(pa).all()
+    assert h.pair[0] is pa and h.pair[1] is host and h.pair is not pair, "a tuple holding one is rebuilt"
+    assert h.items is items and inner["k"] is pa, "lists and dicts change in place: the caller's objects"
+    pb = h.items[0]
+    assert subs[id(pb)] is b and h.slotted.keys is pb and h.frozen.value is pb, "the same tensor, the same proxy"
+    assert h.module.weight.device.type == "cpu" and not any(id(p) in subs for p in h.module.parameters())
+    swap.restore(subs)
+    assert h.a is a and h.pair is pair and h.items[0] is b and inner["k"] is a
+    assert h.slotted.keys is b and h.frozen.value is b and h.me is h
+
+
+def test_restore_keeps_what_the_forward_wrote_and_never_leaves_a_proxy():
+    a, b, fresh = torch.randn(3), torch.randn(3), torch.randn(3)
+    h = _Holder(a, b, torch.randn(1))
+    swap, subs = _swap_for(_marked(a, b))
+    swap.enter(h)
+    h.a = fresh  # what the executor produced, written by the forward (Dynamo replays it on the object)
+    h.slotted.spare = h.slotted.keys  # a proxy written elsewhere (a pass-through write)
+    h.items.append(h.frozen.value)
+    swap.restore(subs)
+    assert h.a is fresh
+    assert h.slotted.spare is b and h.slotted.keys is b and h.items[-1] is b
+
+
+def test_object_swap_stops_at_the_depth_bound_and_says_where():
+    from magi_core.compile.object_inputs import MAX_DEPTH
+
+    t = torch.randn(2)
+    chain = node = types.SimpleNamespace()
+    for _ in range(MAX_DEPTH + 2):
+        node.child = types.SimpleNamespace()
+        node = node.child
+    node.t = t
+    swap, subs = _swap_for(_marked(t))
+    swap.enter(chain)
+    assert not subs and swap.too_deep == ["SimpleNamespace.child"]
+    assert node.t is t
+
+
+def test_proxy_pool_keeps_only_recent_layouts_and_never_one_in_use():
+    pool = ProxyPool(max_layouts=2)
+    used: dict = {}
+    first = pool.take(torch.empty(1), used)
+    pool.take(torch.empty(2), used)
+    pool.take(torch.empty(3), used)  # all three in this call: none evicted
+    assert len(pool) == 3
+    pool.take(torch.empty(4), {})  # a new call: the least recently used layouts go
+    assert len(pool) == 2 and all(p is not first for p in pool.proxies())
+    assert torch.isnan(ProxyPool(fill_value=math.nan).take(torch.empty(2), {})).all()
+    ints = ProxyPool(fill_value=math.nan).take(torch.empty(2, dtype=torch.long), {})
+    assert (ints < 0).all(), "integer proxies hold an index no lookup takes"
+
+
+@dataclasses.dataclass
+class _Cache:
+    """A cache as a model's caller passes it: a growing tensor, a preallocated one written in place, layers."""
+
+    grown: torch.Tensor
+    slab: torch.Tensor
+    layers: list
+    last: torch.Tensor | None = None
+
+
+class _UsesCache(torch.nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, cache: _Cache, step: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        cache.slab.index_copy_(0, step, y[:1])  # in place into a tensor the caller holds
+        cache.grown = torch.cat([cache.grown, y[:1]])  # a new tensor assigned to the attribute
+        for layer in cache.layers:
+            layer.keys.mul_(2.0)
+        cache.last = cache.layers[0].keys  # a pass-through write
+        return y + cache.slab.sum(0) + cache.grown.mean(0)
+
+
+def _new_cache(d: int, device: torch.device | None = None) -> _Cache:
+    torch.manual_seed(1)
+    c = _Cache(torch.randn(1, d), torch.zeros(6, d), [types.SimpleNamespace(keys=torch.randn(d)) for _ in range(2)])
+    if device is not None:
+        c.grown, c.slab = c.grown.to(device), c.slab.to(device)
+        for layer in c.layers:
+            layer.keys = layer.keys.to(device)
+    return c
+
+
+def _cache_tensors(c: _Cache) -> list[torch.Tensor]:
+    return [c.grown, c.slab, *(layer.keys for layer in c.layers), *([c.last] if c.last is not None else [])]
+
+
+def test_offloaded_forward_updates_a_cache_object_of_device_tensors_in_place():
+    """Device tensors inside an argument object: read through proxies never filled, written in place on the real
+    tensors (``index_copy_``, ``mul_``), new tensors assigned to attributes come back as the executor's, and no proxy
+    is left in the caller's object."""
+    backend = get_backend()
+    d = 8
+    model = _UsesCache(d).eval()
+    ref_model = _UsesCache(d).eval()
+    ref_model.load_state_dict(model.state_dict())
+    ref_cache, cache = _new_cache(d), _new_cache(d, backend.device() if backend.is_accelerator else None)
+    slab = cache.slab
+    xs = [torch.randn(3, d) for _ in range(4)]
+    try:
+        offload(model, CFG)
+        fwd = handle(model).forward
+        fwd.pool = ProxyPool(fill_value=math.nan)  # any read of a proxy would produce NaN
+        if not backend.is_accelerator:  # on the CPU backend: the cache's tensors count as device tensors
+            fwd.is_device = lambda t: any(t is c for c in _cache_tensors(cache))
+        with torch.no_grad():
+            for i, x in enumerate(xs):
+                step = torch.tensor([i])
+                expect = ref_model(x, ref_cache, step)
+                if backend.is_accelerator:
+                    out = model(x.to(backend.device()), cache, step.to(backend.device()))
+                else:
+                    out = model(x, cache, step)
+                torch.testing.assert_close(out.cpu(), expect)
+                assert cache.slab is slab, "the preallocated tensor stays the caller's, written in place"
+                for got, want in zip(_cache_tensors(cache), _cache_tensors(ref_cache), strict=True):
+                    torch.testing.assert_close(got.cpu(), want)
+                proxies = {id(p) for p in fwd.pool.proxies()}
+                assert not any(id(t) in proxies for t in _cache_tensors(cache)), "no proxy left behind"
+                if backend.is_accelerator:
+                    assert all(t.device.type == backend.device_type for t in _cache_tensors(cache))
+                assert cache.last is cache.layers[0].keys
+        assert fwd.substituted_calls == len(xs)
+    finally:
+        release(model, restore=True)
+
+
+def test_device_tensors_inside_an_object_argument_are_handed_over(accelerator):
+    """A caller's state object holding device tensors (what a KV cache is) runs offloaded, state left as it was."""
+
+    class State:
+        def __init__(self, keys: torch.Tensor) -> None:
+            self.keys = keys
+
+    class UsesState(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor, state: State) -> torch.Tensor:
+            return self.lin(x) + state.keys
+
+    model = UsesState().eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        ref = model.lin(x) + 1
+    keys = torch.ones(2, 16, device=accelerator.device())
+    state = State(keys)
+    try:
+        offload(model, CFG)
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(model(x, state).cpu(), ref)
+                assert state.keys is keys
+    finally:
+        release(model, restore=True)
+
+
+def test_device_tensors_nested_past_the_depth_bound_are_a_clear_error(accelerator):
+    from magi_core.compile.object_inputs import MAX_DEPTH
+
+    class Deep(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, state) -> torch.Tensor:
+            node = state
+            while hasattr(node, "child"):
+                node = node.child
+            return self.lin(x) + node.t
+
+    chain = node = types.SimpleNamespace()
+    for _ in range(MAX_DEPTH + 2):
+        node.child = types.SimpleNamespace()
+        node = node.child
+    node.t = torch.ones(4, device=accelerator.device())
+    model = Deep().eval()
+    try:
+        offload(model, CFG)
+        with pytest.raises(MagiError, match=r"SimpleNamespace\.child lie more than 8 objects deep"), torch.no_grad():
+            model(torch.randn(2, 4), chain)
     finally:
         release(model, restore=True)
