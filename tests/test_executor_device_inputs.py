@@ -524,3 +524,28 @@ def test_device_tensors_nested_past_the_depth_bound_are_a_clear_error(accelerato
             model(torch.randn(2, 4), chain)
     finally:
         release(model, restore=True)
+
+
+def test_a_failing_call_leaves_the_callers_objects_as_they_were():
+    class Mismatched(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, state) -> torch.Tensor:
+            return self.lin(x) @ state.keys  # (2, 4) @ (3, 4): the model's bug
+
+    backend = get_backend()
+    keys = torch.ones(3, 4, device=backend.device())
+    state = types.SimpleNamespace(keys=keys, items=[keys])
+    model = Mismatched().eval()
+    try:
+        offload(model, CFG)
+        fwd = handle(model).forward
+        if not backend.is_accelerator:
+            fwd.is_device = _marked(keys)
+        with pytest.raises(RuntimeError), torch.no_grad():
+            model(torch.randn(2, 4), state)
+        assert state.keys is keys and state.items[0] is keys
+    finally:
+        release(model, restore=True)

@@ -11,6 +11,7 @@ integer proxies with an index no lookup takes): a read of one would change the t
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,7 @@ from magi_core.compile.device_inputs import ProxyPool
 from magi_core.config import OffloadConfig
 from magi_core.plugin.manager import get_backend
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.0")
 
 CFG = OffloadConfig(unit_compiler="eager", warmup_calls=2)
 #: Enough new tokens that a compile per token would show (the issue asks for 32+).
@@ -82,6 +83,16 @@ def _proxies_everywhere(model: Any) -> None:
     fwd.pool = ProxyPool(fill_value=math.nan)
     if not get_backend().is_accelerator:
         fwd.is_device = lambda t: t.dim() > 0
+
+
+def _cache_kw(model: Any, cache: Any) -> dict[str, Any]:
+    """The cache as the model's forward names it (``cache``, or ``past_key_values`` in earlier transformers)."""
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
+def _cache_out(out: Any) -> Any:
+    return out["cache"] if "cache" in out else out["past_key_values"]
 
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor]:
@@ -144,7 +155,7 @@ def test_greedy_generate_with_a_kv_cache_matches_eager(kind: str, cache: str, ba
         if compiles is not None:
             assert h.compile_count == compiles
         backend = get_backend()
-        tensors = _cache_tensors(out.cache)
+        tensors = _cache_tensors(_cache_out(out))
         proxies = {id(p) for p in fwd.pool.proxies()}
         assert tensors and not any(id(t) in proxies for t in tensors), "no proxy left in the cache"
         if backend.is_accelerator:
@@ -162,16 +173,16 @@ def test_static_cache_is_written_in_place_across_steps() -> None:
     device = get_backend().device()
     n = 5
     ref_cache = transformers.StaticCache(config=ref.config, max_cache_len=ids.shape[1] + n)
-    expected = _generate(ref, ids, mask, max_new_tokens=n, cache=ref_cache)
+    expected = _generate(ref, ids, mask, max_new_tokens=n, **_cache_kw(ref, ref_cache))
     offload(model, CFG)
     try:
         _proxies_everywhere(model)
         cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + n)
         with torch.no_grad():  # the prefill alone: the cache's tensors are made, on the device
-            model(ids.to(device), attention_mask=mask.to(device), cache=cache, use_cache=True)
+            model(ids.to(device), attention_mask=mask.to(device), **_cache_kw(model, cache), use_cache=True)
         first = [(layer.keys, layer.values) for layer in cache.layers]
         cache.crop(-ids.shape[1])  # back to empty (StaticLayer keeps its tensors and rewinds its length)
-        out = _generate(model, ids, mask, max_new_tokens=n, cache=cache)
+        out = _generate(model, ids, mask, max_new_tokens=n, **_cache_kw(model, cache))
         torch.testing.assert_close(out.sequences.cpu(), expected.sequences.cpu(), rtol=0, atol=0)
         for (keys, values), layer, ref_layer in zip(first, cache.layers, ref_cache.layers, strict=True):
             assert layer.keys is keys and layer.values is values, "the same tensors, written in place"
