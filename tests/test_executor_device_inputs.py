@@ -520,7 +520,7 @@ def test_device_tensors_nested_past_the_depth_bound_are_a_clear_error(accelerato
     model = Deep().eval()
     try:
         offload(model, CFG)
-        with pytest.raises(MagiError, match=r"SimpleNamespace\.child lie more than 8 objects deep"), torch.no_grad():
+        with pytest.raises(MagiError, match=r"SimpleNamespace\.child holds lies more than 8 levels"), torch.no_grad():
             model(torch.randn(2, 4), chain)
     finally:
         release(model, restore=True)

@@ -403,8 +403,8 @@ class OffloadedForward:
                 f"magi_core.release(model, restore=True), change the model and offload it again. {caused}")
         if too_deep:
             return MagiError(
-                f"{self.model_name}: the objects at {', '.join(too_deep[:4])} lie more than {MAX_DEPTH} objects deep "
-                "in the arguments, past where device tensors are handed to the compiled forward as host proxies: "
-                "a device tensor held there met the model's host weights. Pass that state less deeply nested, or "
-                f"on the host. {caused}")
+                f"{self.model_name}: what {', '.join(too_deep[:4])} holds lies more than {MAX_DEPTH} levels (objects, "
+                "lists, tuples, dicts) deep in an argument, past where device tensors are handed to the compiled "
+                "forward as host proxies: a device tensor there met the model's host weights. Pass that state less "
+                f"deeply nested, or on the host. {caused}")
         return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,37 +36,79 @@ _OPAQUE: tuple[type, ...] = (
 MAX_DEPTH = 8
 
 
-_NOT_WALKED: tuple[type, ...] = (torch.Tensor, list, tuple, dict, set, frozenset, *_OPAQUE)
 #: Packages whose objects are never caller state (torch's streams, generators, ...; Python's and numpy's types).
 _NOT_WALKED_PACKAGES = frozenset({"torch", "builtins", "numpy"})
+
+#: What the walk does with a value, by its type: leave it, map it (a tensor), rebuild it (a tuple), walk its items in
+#: place (a list or dict, subclasses included) or walk its fields in place (an object).
+LEAVE, TENSOR, TUPLE, ITEMS, OBJECT = range(5)
+
+
+def _kind(cls: type) -> int:
+    """The walk's kind for values of type ``cls`` (cached: one look-up per value)."""
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if len(_KINDS) > _TYPES_CACHED:  # classes made per call must not pile up
+            _KINDS.clear()
+        kind = _KINDS[cls] = _kind_of(cls)
+    return kind
+
+
+_KINDS: dict[type, int] = {}
+_TYPES_CACHED = 4096
+
+
+def _kind_of(cls: type) -> int:
+    if issubclass(cls, torch.Tensor):
+        return TENSOR
+    if issubclass(cls, tuple):
+        return TUPLE
+    if issubclass(cls, (list, dict)):
+        return ITEMS
+    if issubclass(cls, (set, frozenset, *_OPAQUE)):
+        return LEAVE
+    if str(getattr(cls, "__module__", "")).split(".", 1)[0] in _NOT_WALKED_PACKAGES:
+        return LEAVE
+    if "__dict__" in dir(cls) or _slot_names(cls):
+        return OBJECT
+    return LEAVE
 
 
 def walkable(value: Any) -> bool:
     """True for an object whose attributes may hold caller state: not a tensor, container, module or value type."""
-    if isinstance(value, _NOT_WALKED):
-        return False
-    cls = type(value)
-    if str(getattr(cls, "__module__", "")).split(".", 1)[0] in _NOT_WALKED_PACKAGES:
-        return False
-    return hasattr(value, "__dict__") or any(getattr(c, "__slots__", ()) for c in cls.__mro__)
+    return _kind(type(value)) == OBJECT
 
 
-def _fields(obj: Any) -> Iterator[tuple[str, Any]]:
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The ``__slots__`` names of ``cls`` and its bases (``__dict__`` and ``__weakref__`` aside; cached)."""
+    names_of = _SLOTS.get(cls)
+    if names_of is not None:
+        return names_of
+    names: list[str] = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in names and name not in ("__dict__", "__weakref__"):
+                names.append(name)
+    if len(_SLOTS) > _TYPES_CACHED:
+        _SLOTS.clear()
+    names_of = _SLOTS[cls] = tuple(names)
+    return names_of
+
+
+_SLOTS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields(obj: Any) -> list[tuple[str, Any]]:
     """``(name, value)`` of ``obj``'s instance attributes: ``__dict__`` entries, then set ``__slots__``."""
     d = getattr(obj, "__dict__", None)
-    if isinstance(d, dict):
-        yield from list(d.items())
-    seen: set[str] = set()
-    for cls in type(obj).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name in seen or name in ("__dict__", "__weakref__"):
-                continue
-            seen.add(name)
-            try:
-                yield name, object.__getattribute__(obj, name)
-            except AttributeError:
-                continue
+    out = list(d.items()) if isinstance(d, dict) else []
+    for name in _slot_names(type(obj)):
+        try:
+            out.append((name, object.__getattribute__(obj, name)))
+        except AttributeError:
+            continue
+    return out
 
 
 def _set_field(obj: Any, name: str, value: Any) -> None:
@@ -127,41 +169,40 @@ class _Walk:
         #: Places (``Type.attr``) whose contents lie deeper than ``max_depth``, left as they are.
         self.too_deep: list[str] = []
 
-    def enter(self, obj: Any, depth: int, where: str = "") -> None:
+    def enter(self, obj: Any, depth: int, where: tuple[Any, str] | None = None) -> None:
         """Walk object ``obj``'s fields, writing what changed back into it."""
         if id(obj) in self.visited:
             return
         if depth > self.max_depth:
-            if where and where not in self.too_deep:
-                self.too_deep.append(where)
+            self._too_deep(where)
             return
         self.visited.add(id(obj))
         self.entered.append(obj)
         for name, value in _fields(obj):
-            new = self.value(value, depth + 1, f"{type(obj).__name__}.{name}")
+            new = self.value(value, depth + 1, (obj, name))
             if new is not value:
                 _set_field(obj, name, new)
                 if self.slots is not None:
                     self.slots.append(_Slot(obj, name, "attr", new, value))
 
-    def value(self, value: Any, depth: int, where: str) -> Any:
+    def value(self, value: Any, depth: int, where: tuple[Any, str] | None) -> Any:
         """What ``value`` becomes: a tensor mapped, a container or object walked (the same object comes back, but
         for a tuple with a changed item)."""
-        if isinstance(value, torch.Tensor):
+        kind = _kind(type(value))
+        if kind == LEAVE:
+            return value
+        if kind == TENSOR:
             new = self.tensor_fn(value)
             return value if new is None else new
-        if not isinstance(value, (list, dict, tuple)) and not walkable(value):
-            return value
         if depth > self.max_depth:
-            if where not in self.too_deep:
-                self.too_deep.append(where)
+            self._too_deep(where)
             return value
-        if isinstance(value, tuple):
+        if kind == TUPLE:
             items = [self.value(v, depth + 1, where) for v in value]
             if all(a is b for a, b in zip(items, value, strict=True)):
                 return value
             return type(value)(*items) if hasattr(value, "_fields") else _rebuilt(value, items)
-        if isinstance(value, (list, dict)):  # subclasses too (a ModelOutput is a dict): their items, in place
+        if kind == ITEMS:  # subclasses too (a ModelOutput is a dict): their items, in place
             if id(value) not in self.visited:
                 self.visited.add(id(value))
                 self._items(value, depth, where)
@@ -169,7 +210,14 @@ class _Walk:
         self.enter(value, depth, where)
         return value
 
-    def _items(self, c: list[Any] | dict[Any, Any], depth: int, where: str) -> None:
+    def _too_deep(self, where: tuple[Any, str] | None) -> None:
+        """Note the place (the object and attribute name an over-deep value lies under) as ``Type.attr``."""
+        if where is not None:
+            text = f"{type(where[0]).__name__}.{where[1]}"
+            if text not in self.too_deep:
+                self.too_deep.append(text)
+
+    def _items(self, c: list[Any] | dict[Any, Any], depth: int, where: tuple[Any, str] | None) -> None:
         keys = list(c.keys()) if isinstance(c, dict) else range(len(c))
         for k in keys:
             old = c[k]
@@ -218,7 +266,7 @@ class ObjectSwap:
         for obj in self._walk.entered:
             fix.enter(obj, 1)
         if also is not None:
-            fix.value(also, 0, "")
+            fix.value(also, 0, None)
         self._walk = _Walk(self._walk.tensor_fn, self.max_depth, self._slots)
 
 
