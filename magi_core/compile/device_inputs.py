@@ -8,6 +8,11 @@ in the arguments by a cached, never-filled host *proxy* of the same shape, strid
 and guards on host tensors (consistent with the host weights); the executor's input preparation
 (:mod:`.inputs`) takes the device tensor for any graph input whose id is in the current map. Device tensors
 are never copied to the host, proxies never read. Pass-through outputs come back as the device tensors.
+
+Arguments are walked through tuples, lists and dicts (rebuilt for the call) and through other objects' attributes
+(changed in place for the call and put back afterwards, :mod:`.object_inputs`): a KV cache object the model updates
+ends up holding the device tensors the executor produced, a proxied tensor written in place (``index_copy_``) is
+written on the device tensor behind it.
 """
 
 from __future__ import annotations
@@ -306,11 +311,11 @@ class OffloadedForward:
     """The host-side forward :func:`~magi_core.api.offload` installs: device inputs in, proxies to Dynamo.
 
     ``compiled`` is the Dynamo-compiled model entry; ``is_device`` says which tensors to replace (device
-    tensors of the active backend). Graph breaks and data-dependent failures (every class of
-    :func:`graph_break_classes`, also when wrapped in another Dynamo error) surface as a
-    :class:`~magi_core.errors.MagiError` with advice for the kind of break (:func:`graph_break_advice`); a
-    :class:`~magi_core.errors.MagiError` the ``magi_offload`` backend raised while compiling comes out as itself,
-    not wrapped in Dynamo's ``BackendCompilerFailed``.
+    tensors of the active backend), directly in the arguments or inside their objects. Graph breaks and
+    data-dependent failures (every class of :func:`graph_break_classes`, also when wrapped in another Dynamo error)
+    surface as a :class:`~magi_core.errors.MagiError` with advice for the kind of break
+    (:func:`graph_break_advice`); a :class:`~magi_core.errors.MagiError` the ``magi_offload`` backend raised while
+    compiling comes out as itself, not wrapped in Dynamo's ``BackendCompilerFailed``.
     """
 
     def __init__(
