@@ -14,6 +14,7 @@ import abc
 import json
 import logging
 import os
+import stat
 import struct
 import sys
 import threading
@@ -165,26 +166,167 @@ class _StEntry:
     file_id: tuple[int, int, int, int]  # dev, inode, size, mtime_ns
 
 
-def read_header(path: str) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the offset where its data starts; WeightSourceError if malformed."""
+#: Every dtype name of the safetensors format (those missing from :data:`ST_DTYPES` this torch cannot hold).
+ST_FORMAT_DTYPES = frozenset({*ST_DTYPES, "BOOL", "F4", "F6_E2M3", "F6_E3M2", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U8",
+                              "I8", "U16", "I16", "F16", "BF16", "U32", "I32", "F32", "U64", "I64", "F64", "C64"})
+
+
+def open_regular(path: str, what: str = "weight file") -> int:
+    """A read-only fd of ``path``, which must be a regular file (a FIFO, device or directory is refused at once:
+    opening a FIFO for reading would wait for a writer forever); WeightSourceError naming the path otherwise."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise WeightSourceError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER:
-                raise WeightSourceError(f"{path}: not a safetensors file (header length {n} bytes)")
-            raw = f.read(n)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise WeightSourceError(f"cannot open the {what} {path}: {exc}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else
+                    "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                    else "not a regular file")
+            raise WeightSourceError(f"the {what} {path} is {kind}, not a regular file; pass the checkpoint's own "
+                                    "files (a pipe or device cannot be read by offset)")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_exact(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes of ``fd`` from ``offset`` (fewer only at the end of the file)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        chunk = os.pread(fd, n - got, offset + got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _no_duplicates(path: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise WeightSourceError(f"{path}: the header names {k!r} twice; the file is corrupt (the safetensors "
+                                        "library refuses it too)")
+            out[k] = v
+        return out
+
+    return pairs
+
+
+def read_header(path: str) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the offset where its data starts; WeightSourceError if malformed
+    (not a regular file, truncated, not a JSON object, a name given twice)."""
+    fd = open_regular(path)
+    try:
+        head = _read_exact(fd, 8, 0)
+        if len(head) < 8:
+            raise WeightSourceError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER:
+            raise WeightSourceError(f"{path}: not a safetensors file (header length {n} bytes)")
+        raw = _read_exact(fd, n, 8)
     except OSError as exc:
         raise WeightSourceError(f"cannot read the weight file {path}: {exc}") from exc
+    finally:
+        os.close(fd)
+    if len(raw) < n:
+        raise WeightSourceError(f"{path}: its header says {n} bytes, the file holds {len(raw)} after the length; the "
+                                "file is truncated or corrupt")
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_no_duplicates(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WeightSourceError(f"{path}: not a safetensors file (its header is not JSON: {exc})") from exc
     if not isinstance(header, dict):
         raise WeightSourceError(f"{path}: not a safetensors file (its header is not a JSON object)")
     return header, 8 + n
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_entry(path: str, name: str, d: Any) -> tuple[TensorInfo, int, int]:
+    """One tensor's header entry checked field by field, as the safetensors library does: ``dtype`` a known name,
+    ``shape`` a list of non-negative ints, ``data_offsets`` a pair of ints with ``0 <= begin <= end`` and
+    ``end - begin == numel * itemsize``. Returns (info, begin, end), offsets relative to the data section."""
+    where = f"{path}: tensor {name!r}"
+    corrupt = "; the file is corrupt (the safetensors library refuses it too)"
+    if not isinstance(d, dict):
+        raise WeightSourceError(f"{where}: its header entry is {d!r}, not an object with dtype, shape and "
+                                f"data_offsets{corrupt}")
+    absent = [k for k in ("dtype", "shape", "data_offsets") if k not in d]
+    if absent:
+        raise WeightSourceError(f"{where}: its header entry has no {', '.join(absent)}{corrupt}")
+    kind, shape, offsets = d["dtype"], d["shape"], d["data_offsets"]
+    if not isinstance(kind, str):
+        raise WeightSourceError(f"{where}: dtype {kind!r} is not a dtype name such as 'F32'{corrupt}")
+    dtype = ST_DTYPES.get(kind)
+    if dtype is None:
+        if kind in ST_FORMAT_DTYPES:
+            raise WeightSourceError(f"{where} has dtype {kind}, which this torch ({torch.__version__}) cannot hold; "
+                                    "convert the checkpoint or upgrade torch")
+        raise WeightSourceError(f"{where}: unknown dtype {kind!r} (safetensors names: "
+                                f"{', '.join(sorted(ST_FORMAT_DTYPES))}){corrupt}")
+    if not isinstance(shape, list) or not all(_is_int(x) and x >= 0 for x in shape):
+        raise WeightSourceError(f"{where}: shape {shape!r} is not a list of non-negative integers{corrupt}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(x) for x in offsets)):
+        raise WeightSourceError(f"{where}: data_offsets {offsets!r} is not a pair of integers [begin, end]{corrupt}")
+    begin, end = offsets
+    numel = 1
+    for x in shape:
+        numel *= x
+    if not 0 <= begin <= end or end - begin != numel * dtype.itemsize:
+        raise WeightSourceError(f"{where} claims bytes [{begin}, {end}) for shape {shape} {kind} "
+                                f"({numel * dtype.itemsize} bytes){corrupt}")
+    return TensorInfo(tuple(shape), dtype), begin, end
+
+
+def check_coverage(path: str, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """The tensors' byte ranges (begin, end, name; relative to the data section of ``data_len`` bytes) must be
+    disjoint and cover it exactly, as the safetensors library demands: no byte read for two tensors, none unused,
+    none beyond the end."""
+    pos = 0
+    prev: tuple[int, int, str] | None = None
+    for begin, end, name in sorted(spans):
+        if begin < pos:
+            assert prev is not None  # pos > 0: some tensor ended there
+            raise WeightSourceError(f"{path}: tensors {prev[2]!r} [{prev[0]}, {prev[1]}) and {name!r} [{begin}, {end}) "
+                                    "overlap: each byte of the data section belongs to one tensor; the file is "
+                                    "corrupt (the safetensors library refuses it too)")
+        if begin > pos:
+            raise WeightSourceError(f"{path}: bytes [{pos}, {begin}) of the data section, before tensor {name!r}, "
+                                    "belong to no tensor; the file is corrupt (the safetensors library refuses it "
+                                    "too)")
+        pos, prev = end, (begin, end, name)
+    if pos != data_len:
+        last = f" (the last, {prev[2]!r}, ends at {pos})" if prev else ""
+        raise WeightSourceError(f"{path}: its tensors cover {pos} bytes{last} but its data section holds {data_len}; "
+                                "the file is truncated or corrupt")
+
+
+def _paths(files: Any, origin: str | None = None) -> list[str]:
+    """``files`` as a non-empty list of path strings; WeightSourceError naming the entry that is not a path."""
+    where = f" ({origin})" if origin else ""
+    if isinstance(files, (str, os.PathLike)) or not isinstance(files, Sequence):
+        raise WeightSourceError(f"weight files{where}: expected a list of paths, got {type(files).__name__}")
+    out = []
+    for i, f in enumerate(files):
+        if not isinstance(f, (str, os.PathLike)):
+            raise WeightSourceError(f"weight files{where}: entry {i} is {f!r} ({type(f).__name__}), not a path")
+        text = os.fspath(f)
+        if not isinstance(text, str) or not text:
+            raise WeightSourceError(f"weight files{where}: entry {i} is {f!r}, not a path")
+        out.append(text)
+    if not out:
+        raise WeightSourceError(f"no safetensors files given{where}: an empty list; pass at least one .safetensors "
+                                "file, a directory or an index")
+    return out
 
 
 class SafetensorsSource(WeightSource):
@@ -199,12 +341,11 @@ class SafetensorsSource(WeightSource):
                  origin: str | None = None) -> None:
         if sys.byteorder != "little":
             raise WeightSourceError("safetensors files are little-endian; this host is big-endian")
-        self.files = [os.fspath(f) for f in files]
-        if not self.files:
-            raise WeightSourceError(f"no safetensors files given{f' ({origin})' if origin else ''}")
+        self.files = _paths(files, origin)
         self.origin = origin or (self.files[0] if len(self.files) == 1 else f"{len(self.files)} safetensors files")
         self._entries: dict[str, _StEntry] = {}
         self._fds: dict[str, int] = {}
+        self._ids: dict[str, tuple[int, int, int]] = {}  # path -> (device, inode, size) when its header was read
         self._lock = threading.Lock()
         for path in self.files:
             self._scan(path)
@@ -218,29 +359,28 @@ class SafetensorsSource(WeightSource):
         except OSError as exc:
             raise WeightSourceError(f"cannot stat the weight file {path}: {exc}") from exc
         file_id = (int(st.st_dev), int(st.st_ino), int(st.st_size), int(st.st_mtime_ns))
+        meta = header.get("__metadata__")
+        if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+            raise WeightSourceError(f"{path}: __metadata__ {meta!r} is not an object of strings; the file is corrupt "
+                                    "(the safetensors library refuses it too)")
+        found: dict[str, tuple[TensorInfo, int, int]] = {}
         for name, d in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                kind, shape, (b, e) = d["dtype"], tuple(int(x) for x in d["shape"]), d["data_offsets"]
-            except (KeyError, TypeError, ValueError) as exc:
-                raise WeightSourceError(f"{path}: malformed header entry for {name!r}: {d!r}") from exc
-            dtype = ST_DTYPES.get(kind)
-            if dtype is None:
-                raise WeightSourceError(f"{path}: {name!r} has dtype {kind}, which this torch ({torch.__version__}) "
-                                        "cannot hold; convert the checkpoint or upgrade torch")
-            numel = 1
-            for x in shape:
-                numel *= x
-            if e - b != numel * dtype.itemsize or b < 0 or start + e > st.st_size:
-                raise WeightSourceError(f"{path}: {name!r} claims bytes [{b}, {e}) for shape {list(shape)} {kind} in a "
-                                        f"file of {st.st_size} bytes; the file is truncated or corrupt")
+            if name != "__metadata__":
+                found[name] = parse_entry(path, name, d)
+        check_coverage(path, [(b, e, n) for n, (_, b, e) in found.items()], int(st.st_size) - start)
+        for name, (info, b, e) in found.items():
             if name in self._entries:
                 raise WeightSourceError(f"{name!r} is in two weight files: {self._entries[name].path} and {path}; "
                                         "pass one checkpoint (or its index)")
-            self._entries[name] = _StEntry(path, start + b, e - b, TensorInfo(shape, dtype), file_id)
+            self._entries[name] = _StEntry(path, start + b, e - b, info, file_id)
+        self._ids[path] = file_id[:3]
 
     def _check_map(self, weight_map: dict[str, str]) -> None:
+        bad = [(n, f) for n, f in weight_map.items() if not isinstance(n, str) or not isinstance(f, str) or not f]
+        if bad:
+            n, f = bad[0]
+            raise WeightSourceError(f"the index {self.origin}: weight_map[{n!r}] is {f!r}, not a file name; "
+                                    f"{len(bad)} entr{'y' if len(bad) == 1 else 'ies'} of this kind")
         wrong = [n for n, f in weight_map.items()
                  if n not in self._entries or Path(self._entries[n].path).name != Path(f).name]
         if wrong:
@@ -275,10 +415,12 @@ class SafetensorsSource(WeightSource):
     def _open(self, path: str) -> int:
         fd = self._fds.get(path)
         if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as exc:
-                raise WeightSourceError(f"cannot open the weight file {path}: {exc}") from exc
+            fd = open_regular(path)
+            st = os.fstat(fd)
+            if (int(st.st_dev), int(st.st_ino), int(st.st_size)) != self._ids.get(path):
+                os.close(fd)
+                raise WeightSourceError(f"the weight file {path} was replaced or changed size since its header was "
+                                        "read; load again once the checkpoint is complete")
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             self._fds[path] = fd
@@ -455,19 +597,27 @@ _INDEX_SUFFIX = ".safetensors.index.json"
 
 
 def _from_index(path: Path) -> SafetensorsSource:
+    fd = open_regular(str(path), "checkpoint index")
     try:
-        doc = json.loads(path.read_text())
+        with os.fdopen(fd, "rb") as f:
+            doc = json.loads(f.read())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WeightSourceError(f"cannot read the checkpoint index {path}: {exc}") from exc
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise WeightSourceError(f"{path} has no 'weight_map' (name -> file): not a sharded safetensors index")
+    bad = [(k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v or "\x00" in v]
+    if bad:
+        k, v = bad[0]
+        raise WeightSourceError(f"the index {path}: weight_map[{k!r}] is {v!r} ({type(v).__name__}), not a file name "
+                                f"such as 'model-00001-of-00002.safetensors' ({len(bad)} entr"
+                                f"{'y' if len(bad) == 1 else 'ies'} of this kind); the index is corrupt")
     files = sorted({str(path.parent / f) for f in weight_map.values()})
-    absent = [f for f in files if not os.path.isfile(f)]
+    absent = [f for f in files if not os.path.exists(f)]
     if absent:
         raise WeightSourceError(f"the index {path} names {len(absent)} file(s) that do not exist, e.g. {absent[:3]}; "
                                 "download the whole checkpoint")
-    return SafetensorsSource(files, weight_map={k: str(v) for k, v in weight_map.items()}, origin=str(path))
+    return SafetensorsSource(files, weight_map=dict(weight_map), origin=str(path))
 
 
 def _from_dir(path: Path) -> SafetensorsSource:
@@ -507,7 +657,7 @@ def open_source(source: SourceSpec) -> WeightSource:
                                 "safetensors.torch.save_file")
     if callable(source):
         return CallableSource(source)
-    if isinstance(source, (list, tuple)) and source and all(isinstance(p, (str, os.PathLike)) for p in source):
-        return SafetensorsSource(list(source))
+    if isinstance(source, (list, tuple)):
+        return SafetensorsSource(_paths(source))
     raise TypeError(f"weights must be a path, a list of safetensors files, a WeightSource or a function "
                     f"(name, meta_tensor) -> tensor; got {type(source).__name__}")
