@@ -16,10 +16,12 @@ Environment variables (read when :meth:`HostOptions.resolve` runs; an explicit f
 
 from __future__ import annotations
 
+import difflib
+import os
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
-from magi_core._env import env_bool, env_gib_bytes, env_int, env_str
+from magi_core._env import FALSE_WORDS, TRUE_WORDS, env_bool, env_gib_bytes, env_int, env_str, parse_bool, parse_bytes
 from magi_core.errors import ConfigError
 from magi_core.host.topology import resolve_ep_size
 
@@ -40,7 +42,13 @@ def _env_gib(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class HostOptions:
-    """How :func:`magi_core.host.materialize` lays out, shares and pins host weights (None = env or default)."""
+    """How :func:`magi_core.host.materialize` lays out, shares and pins host weights (None = env or default).
+
+    Every field is checked on construction, as :class:`magi_core.OffloadConfig` checks its own: a
+    :class:`ConfigError` names the field for a wrong type (a boolean given as a string, a float or string where a
+    count is meant), NaN or infinity, a value out of range, or a value outside a field's fixed set (with a "did you
+    mean"). Byte sizes also take sizes such as ``"1GiB"``; integral floats (``4.0``) count as integers.
+    """
 
     #: Expert-parallel size, a hint: > 1 says the ranks' weights are expected to differ (no warning when tensors
     #: differ; tensors whose provenance differs are not compared). Sharing is decided per tensor by content either
@@ -98,6 +106,9 @@ class HostOptions:
     #: TEST ONLY: ignore the EP size and every check and share one file anyway (the old, corrupting way).
     _unsafe_share_across_ranks: bool = False
 
+    def __post_init__(self) -> None:
+        _normalise(self)
+
     def resolve(self) -> HostOptions:
         """A copy with every None filled from the environment or the default; validates the values."""
         skip = self.skip_shm if self.skip_shm is not None else bool(env_bool(ENV_SKIP_SHM))
@@ -116,27 +127,121 @@ class HostOptions:
         return resolved
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the bad field and what to set instead."""
-        if self.ep_size is not None and self.ep_size < 1:
-            raise ConfigError(f"HostOptions.ep_size={self.ep_size}: must be >= 1")
-        if self.pin_concurrency is not None and self.pin_concurrency < 1:
-            raise ConfigError(f"HostOptions.pin_concurrency={self.pin_concurrency}: must be >= 1 (or None for auto)")
-        if self.pin_budget_bytes is not None and self.pin_budget_bytes < 0:
-            raise ConfigError(f"HostOptions.pin_budget_bytes={self.pin_budget_bytes}: must be >= 0 (or None for all)")
-        if self.on_mismatch not in ("copy", "error", "per_rank"):
-            raise ConfigError(f"HostOptions.on_mismatch={self.on_mismatch!r}: use 'copy' (differing tensors get a copy "
-                              "per rank) or 'error'")
-        if self.load_threads is not None and self.load_threads < 1:
-            raise ConfigError(f"HostOptions.load_threads={self.load_threads}: must be >= 1 (or None for auto)")
-        if self.staging_bytes is not None and self.staging_bytes < 4096:
-            raise ConfigError(f"HostOptions.staging_bytes={self.staging_bytes}: must be >= 4096 (or None for 4% of "
-                              "the weights)")
-        if self.verify_shared not in ("full", "sampled"):
-            raise ConfigError(f"HostOptions.verify_shared={self.verify_shared!r}: use 'full' or 'sampled'")
-        if self.shared_writes not in ("read_only", "copy_on_write"):
-            raise ConfigError(f"HostOptions.shared_writes={self.shared_writes!r}: use 'read_only' or 'copy_on_write'")
-        if self.fingerprint_samples < 1:
-            raise ConfigError(f"HostOptions.fingerprint_samples={self.fingerprint_samples}: must be >= 1")
-        a = self.alignment
-        if a < 64 or a & (a - 1):
-            raise ConfigError(f"HostOptions.alignment={a}: use a power of two >= 64 (default 256)")
+        """Raise :class:`ConfigError` naming the bad field, what it holds and what to set instead (also run on
+        construction)."""
+        _normalise(self)
+
+
+#: Fields holding True or False (None: the environment or the default decides).
+_BOOLS = ("pin", "cleanup_stale", "_unsafe_share_across_ranks")
+_OPTIONAL_BOOLS = ("skip_shm", "progress")
+#: Counts: field -> smallest valid value (all optional but ``fingerprint_samples`` and ``alignment``).
+_COUNTS = {"ep_size": 1, "pin_concurrency": 1, "load_threads": 1, "fingerprint_samples": 1, "alignment": 64}
+_REQUIRED = ("fingerprint_samples", "alignment")
+#: Byte sizes (an int, or a size such as ``"1GiB"``): field -> smallest valid value.
+_BYTE_SIZES = {"pin_budget_bytes": 0, "staging_bytes": 4096}
+#: Fields with a fixed set of values, and what each value means (for the error).
+_CHOICES: dict[str, dict[str, str]] = {
+    "on_mismatch": {"copy": "differing tensors get a copy per rank", "error": "raise on every rank",
+                    "per_rank": "the older name of 'copy'"},
+    "verify_shared": {"full": "compare every byte", "sampled": "compare sampled fingerprints only"},
+    "shared_writes": {"read_only": "one copy per node, a write kills the process",
+                      "copy_on_write": "a write stays on its rank"},
+}
+#: What None means for an optional field, for the error.
+_NONE_MEANS = {"ep_size": "MAGI_EP_SIZE or 1", "pin_concurrency": "automatic", "load_threads": "automatic",
+               "pin_budget_bytes": "pin everything", "staging_bytes": "4% of the weights",
+               "skip_shm": "MAGI_SKIP_SHM or False", "progress": "only on a terminal", "shm_dir": "MAGI_SHM_DIR or "
+               "/dev/shm"}
+
+
+def _bad(name: str, value: Any, want: str) -> ConfigError:
+    none = f", or None ({_NONE_MEANS[name]})" if name in _NONE_MEANS else ""
+    return ConfigError(f"HostOptions.{name}={value!r} is invalid; expected {want}{none}")
+
+
+def _count(name: str, value: Any) -> int:
+    """A whole number (an integral float such as 4.0 too, as in OffloadConfig); bools, strings, NaN refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, value, _count_want(name))
+    if isinstance(value, float):
+        if not value.is_integer():  # nan, inf, 2.5
+            raise _bad(name, value, _count_want(name))
+        value = int(value)
+    if value < _COUNTS[name]:
+        raise _bad(name, value, _count_want(name))
+    if name == "alignment" and value & (value - 1):
+        raise _bad(name, value, _count_want(name))
+    return int(value)
+
+
+def _count_want(name: str) -> str:
+    if name == "alignment":
+        return "a power of two >= 64 (default 256)"
+    return f"a whole number >= {_COUNTS[name]}"
+
+
+def _byte_size(name: str, value: Any) -> int:
+    """Bytes: an int, an integral float, or a size such as ``"1GiB"`` / ``"512MiB"`` (finite, whole)."""
+    want = f"a number of bytes >= {_BYTE_SIZES[name]} (an int, or a size such as '1GiB' or '512MiB')"
+    if isinstance(value, str):
+        try:
+            value = parse_bytes(value)
+        except ValueError as exc:
+            raise ConfigError(f"HostOptions.{name}={value!r} is {exc}; expected {want}") from None
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, value, want)
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise _bad(name, value, want)
+        value = int(value)
+    if value < _BYTE_SIZES[name]:
+        raise _bad(name, value, want)
+    return int(value)
+
+
+def _choice(name: str, value: Any) -> str:
+    """One of the field's values (any case, surrounding blanks ignored); else an error listing them, with the
+    closest as a "did you mean"."""
+    valid = _CHOICES[name]
+    listed = "; ".join(f"{k!r} ({v})" for k, v in valid.items())
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in valid:
+            return word
+        near = difflib.get_close_matches(word.replace("-", "_").replace(" ", "_"), list(valid), n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"HostOptions.{name}={value!r} is invalid; valid: {listed}{hint}")
+    raise ConfigError(f"HostOptions.{name}={value!r} is invalid; expected a string, one of: {listed}")
+
+
+def _normalise(opts: HostOptions) -> None:
+    """Check every field of ``opts`` (types, ranges, values) and store its normal form (e.g. ``"1GiB"`` as bytes);
+    :class:`ConfigError` naming the first bad field."""
+    set_ = object.__setattr__
+    for name in (*_BOOLS, *_OPTIONAL_BOOLS):
+        value = getattr(opts, name)
+        if value is None and name in _OPTIONAL_BOOLS:
+            continue
+        if not isinstance(value, bool):
+            hint = (f" (a string is not a boolean: pass {parse_bool(value)})" if isinstance(value, str)
+                    and value.strip().lower() in (*TRUE_WORDS, *FALSE_WORDS) else "")
+            raise _bad(name, value, "True or False" + hint)
+    for name in _COUNTS:
+        value = getattr(opts, name)
+        if value is None and name not in _REQUIRED:
+            continue
+        set_(opts, name, _count(name, value))
+    for name in _BYTE_SIZES:
+        value = getattr(opts, name)
+        if value is not None:
+            set_(opts, name, _byte_size(name, value))
+    for name in _CHOICES:
+        set_(opts, name, _choice(name, getattr(opts, name)))
+    shm_dir = opts.shm_dir
+    if shm_dir is not None:
+        if isinstance(shm_dir, os.PathLike):
+            shm_dir = os.fspath(shm_dir)
+        if not isinstance(shm_dir, str) or not shm_dir.strip():
+            raise _bad("shm_dir", opts.shm_dir, "a directory path such as '/dev/shm'")
+        set_(opts, "shm_dir", shm_dir)
