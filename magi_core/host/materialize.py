@@ -64,7 +64,7 @@ from tqdm import tqdm
 from magi_core.errors import ConfigError, MagiError
 from magi_core.host import memstat, moves, pinning, shm
 from magi_core.host.arena import Entry, Layout, Slot, collect, dtype_key, fingerprint, group, place, same_bytes
-from magi_core.host.config import HostOptions
+from magi_core.host.config import DEFAULT_SHM_DIR, HostOptions
 from magi_core.host.errors import HostStateError, ShmSpaceError, WeightMismatchError, WeightSourceError
 from magi_core.host.loading import Loader, Rename, SourceSpec, open_source
 from magi_core.host.topology import (
@@ -348,24 +348,48 @@ def materialize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"materialize() takes an nn.Module, got {type(model).__name__}")
-    opts = (options or HostOptions()).resolve()
+    # what this rank resolves alone (options and environment, the weight source) fails inside the first agreed
+    # status: every rank raises at once instead of the others waiting in the first gather for the process
+    # group's timeout
+    setup: BaseException | None = None
+    opts = _SETUP_FAILED
+    try:
+        if options is not None and not isinstance(options, HostOptions):
+            raise ConfigError(f"materialize(options=...) takes a magi_core.host.HostOptions, got "
+                              f"{type(options).__name__}: build one, e.g. HostOptions(pin=False)")
+        opts = (options or HostOptions()).resolve()
+    except ConfigError as exc:
+        setup = exc
     if backend is None:
         from magi_core.plugin.manager import get_backend
 
         backend = get_backend()
     existing = _by_model.get(model)
-    if existing is not None and not existing.released:
+    if setup is None and existing is not None and not existing.released:
         if existing.options == opts and source is None:
             logger.info("model already materialised; returning its HostWeights")
             return existing
-        raise HostStateError("the model is already materialised with other options (or weights); call "
-                             "release(restore=True) on its HostWeights first")
-    loader = Loader(open_source(source), strict=strict, rename=rename) if source is not None else None
+        setup = HostStateError("the model is already materialised with other options (or weights); call "
+                               "release(restore=True) on its HostWeights first")
+    loader: Loader | None = None
+    if source is not None and setup is None:
+        try:
+            loader = Loader(open_source(source), strict=strict, rename=rename)
+        except (MagiError, OSError, TypeError, ValueError) as exc:
+            setup = exc
     try:
-        return _Materializer(model, opts, backend, on_progress, loader).run()
+        return _Materializer(model, opts, backend, on_progress, loader, setup).run()
     finally:
         if loader is not None:
             loader.close()
+
+
+#: Stands in for the options of a rank whose own failed to resolve (it only takes part in the first gather).
+_SETUP_FAILED = HostOptions(ep_size=1, skip_shm=True, pin=False, pin_concurrency=1, shm_dir=DEFAULT_SHM_DIR,
+                            progress=False)
+#: Classes of setup errors another rank's failure is raised as on this rank (by name).
+_SETUP_CLASSES: dict[str, type[MagiError]] = {c.__name__: c for c in (ConfigError, WeightSourceError,
+                                                                       HostStateError)}
 
 
 @dataclass
@@ -385,9 +409,11 @@ class _Round:
 
 class _Materializer:
     def __init__(self, model: nn.Module, opts: HostOptions, backend: Backend,
-                 on_progress: ProgressCallback | None, loader: Loader | None = None) -> None:
+                 on_progress: ProgressCallback | None, loader: Loader | None = None,
+                 setup: BaseException | None = None) -> None:
         self.model, self.opts, self.backend, self.on_progress = model, opts, backend, on_progress
         self.loader = loader
+        self.setup = setup  # this rank's options or source failed: raised after the first gather, on every rank
         self.coord = Coordinator()
         self.rank = self.coord.rank
         self.t0 = time.perf_counter()
@@ -444,7 +470,25 @@ class _Materializer:
         self.own_fps[id(slot)] = fps
         return ("fp", int.from_bytes(hashlib.blake2b(repr(fps).encode(), digest_size=8).digest(), "little"))
 
+    def _fail_setup(self, infos: list[dict[str, Any]], undo: Callable[[], None] | None) -> None:
+        """Raise on every rank when a rank's options or weight source failed: its own error there, one naming it
+        (of the same class) on the others."""
+        bad = [(r, i["setup"], i["setup_cls"]) for r, i in enumerate(infos) if i.get("setup")]
+        if not bad:
+            return
+        if undo is not None:
+            undo()
+        if self.setup is not None:
+            raise self.setup
+        kinds = {kind for _, _, kind in bad}
+        cls = _SETUP_CLASSES.get(kinds.pop(), MagiError) if len(kinds) == 1 else MagiError
+        raise cls("host weights: " + "; ".join(f"rank {r}: {text}" for r, text, _ in bad)
+                  + " (every rank raises; fix that rank's input)")
+
     def run(self) -> HostWeights:
+        if self.setup is not None:  # nothing else to do here: the first gather, then raise on every rank
+            self._fail_setup(self.coord.all_gather({"setup": _status(self.setup),
+                                                    "setup_cls": type(self.setup).__name__}), None)
         opts, loader = self.opts, self.loader
         local_err: BaseException | None = None
         if loader is not None:
@@ -486,6 +530,7 @@ class _Materializer:
                 dir_err = exc
         world = self.coord.world_size
         info = {
+            "setup": None, "setup_cls": None,
             "key": node_key(opts.shm_dir) if not opts.skip_shm and dir_err is None else None,
             "dir_err": _status(dir_err), "err": _status(local_err), "state_err": _status(state_err),
             "owner": shm.Owner.current(), "skip": bool(opts.skip_shm),
@@ -498,6 +543,7 @@ class _Materializer:
         }
         infos = self.coord.all_gather(info)
         undo = loader.undo if loader is not None else None
+        self._fail_setup(infos, undo)
         self._fail_all([i["state_err"] for i in infos], state_err, undo, cls=HostStateError)
         self._fail_all([i["dir_err"] for i in infos], dir_err, undo, cls=ConfigError)
         self._fail_all([i["err"] for i in infos], local_err, undo, cls=WeightSourceError)
