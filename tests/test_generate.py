@@ -204,3 +204,29 @@ def test_plain_generate_on_the_backend_as_users_run_it() -> None:
         torch.testing.assert_close(out.sequences.cpu(), expected, rtol=0, atol=0)
     finally:
         release(model, restore=True)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="magi_core/passes/split.py moves a pure node computed from host scalars and sizes (StaticLayer's "
+    "cache_position = arange(s0) + cumulative_length, once the prompt length is dynamic) to its first user, past the "
+    "in-place cumulative_length.add_(s0) between them: it reads the advanced length. Fixed when _free_nodes leaves "
+    "out nodes that are written in place and nodes reading them; remove this marker then",
+)
+def test_static_cache_generate_after_a_new_prompt_length() -> None:
+    """A second prompt length makes the prefill dynamic (one more graph each for prefill and decode, then none)."""
+    model, ref = _models("llama")
+    offload(model, CFG)
+    try:
+        _proxies_everywhere(model)
+        for length in (7, 9, 5):
+            torch.manual_seed(length)
+            ids = torch.randint(1, 128, (1, length))
+            mask = torch.ones_like(ids)
+            kw: dict[str, Any] = {"max_new_tokens": 6, "cache_implementation": "static"}
+            expected = _generate(ref, ids, mask, **kw).sequences.cpu()
+            out = _generate(model, ids, mask, **kw)
+            torch.testing.assert_close(out.sequences.cpu(), expected, rtol=0, atol=0)
+        assert handle(model).compile_count == 4
+    finally:
+        release(model, restore=True)
