@@ -242,6 +242,39 @@ def test_unresolvable_buffer_named_with_the_fix(shm_dir: str, tmp_path: Path) ->
         assert hw.report["load"]["buffers"] == {"opaque.table": "read from the source (opaque.table)"}
 
 
+class Unset(nn.Module):
+    """``reset_parameters`` resets the weight and writes only the first element of ``part``: neither buffer is
+    recomputed by it (a meta copy's buffers keep whatever they were filled with), and the constructor's argument is
+    not kept, so nothing can recompute them."""
+
+    def __init__(self, table: list[float]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(2))
+        self.register_buffer("table", torch.tensor(table), persistent=False)
+        self.register_buffer("part", torch.tensor(table), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        with torch.no_grad():
+            self.part[0] = 1.0
+
+
+def test_a_reset_that_does_not_write_a_buffer_never_gives_it_values(shm_dir: str, tmp_path: Path) -> None:
+    """The reset runs on two copies whose buffers are filled with other bytes; a buffer it does not set (wholly)
+    comes out different and is not taken from it: an error naming the buffers, not a model computing with the fill."""
+    m = nn.Sequential(nn.Linear(2, 2))
+    m.add_module("unset", Unset([3.0, 4.0]))
+    save_file({k: v for k, v in checkpoint(m).items() if not k.startswith("unset.")} | {"unset.weight": torch.ones(2)},
+              str(tmp_path / "m.safetensors"))
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(2, 2))
+        meta.add_module("unset", Unset([3.0, 4.0]))
+    with pytest.raises(WeightSourceError, match="2 non-persistent buffer.*'unset.part', 'unset.table'"):
+        materialize(meta, options=OPTS, source=tmp_path / "m.safetensors")
+    assert meta.unset.table.is_meta and meta.unset.part.is_meta and _files(shm_dir) == [] and registered_ranges() == {}
+
+
 def test_function_source_and_clean_failure(shm_dir: str) -> None:
     ref = reference()
     sd = checkpoint(ref)

@@ -35,7 +35,8 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from magi_core import get_backend
-from magi_core.host import HostOptions, materialize, memstat, shm
+from magi_core.compile.exchange import host_identity
+from magi_core.host import HostOptions, HostWeights, materialize, memstat, shm
 from magi_core.host.memstat import process_memory
 from magi_core.plugin.cpu import registered_ranges
 
@@ -125,7 +126,7 @@ def _in_child(fn: Callable[[], None]) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def write_in_place(model: Model, rank: int, mode: str, rec: dict[str, object]) -> None:
+def write_in_place(model: Model, hw: HostWeights, rank: int, mode: str, rec: dict[str, object]) -> None:
     """Rank 0 writes into a parameter and a buffer; every rank records what it sees afterwards."""
     bias_before = model.dense.bias.detach().clone()
     router_before = model.router.detach().clone()
@@ -147,6 +148,8 @@ def write_in_place(model: Model, rank: int, mode: str, rec: dict[str, object]) -
     dist.barrier()
     rec["bias_delta"] = float((model.dense.bias - bias_before).abs().max())
     rec["router_delta"] = float((model.router - router_before).abs().max())
+    # what the exchange identifies the bias's bytes by across ranks (None: never exchanged)
+    rec["bias_identity"] = repr(host_identity(hw)(model.dense.bias))
     dist.barrier()
 
 
@@ -245,7 +248,7 @@ def main() -> None:
     rec["emb_after"] = digest(model.emb.weight)
     rec["mappings"] = sorted({str(f.get("mapping")) for f in hw.report["files"]})
     if args.scenario == "write":
-        write_in_place(model, rank, args.shared_writes, rec)
+        write_in_place(model, hw, rank, args.shared_writes, rec)
     rec["weight_bytes"] = hw.weight_bytes
     rec["pinned_bytes"] = hw.pinned_bytes
     rec["registered"] = len(registered_ranges())

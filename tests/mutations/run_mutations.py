@@ -283,6 +283,46 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            plan = plan\n",
         (("core", ("tests/test_plan_footprint.py",)),),
     ),
+    Mutation(
+        "y", "load: a non-persistent buffer is taken from reset_parameters() without checking that the reset sets it "
+        "(both meta copies pre-filled alike, so a reset that never writes the buffer leaves its fill as its value)",
+        "magi_core/host/loading/buffers.py",
+        "    for fill in (0, 255):\n",
+        "    for fill in (0, 0):\n",
+        (("core", ("tests/test_host_loading.py",)),),
+    ),
+    Mutation(
+        "z", "exchange: copy-on-write host mappings are identified by file and offset, so a rank whose private pages "
+        "were edited exchanges them with ranks holding the original bytes",
+        "magi_core/compile/exchange.py",
+        "if arena is None or arena.inode is None or arena.private or arena.mapping is None:",
+        "if arena is None or arena.inode is None or arena.mapping is None:",
+        (("core", ("tests/test_host_distributed.py::test_ep1_write_on_one_rank_never_reaches_another",
+                   "tests/test_host_fork.py")),),
+    ),
+    Mutation(
+        "aa", "fork: a forked child keeps the parent's writable shared mappings, so its in-place writes change the "
+        "parent's weights",
+        "magi_core/host/forks.py",
+        "    if not entries:\n        return\n",
+        "    if True:\n        return\n",
+        (("core", ("tests/test_host_fork.py",)),),
+    ),
+    Mutation(
+        "ab", "safetensors: overlapping byte ranges in a header are accepted, so one tensor loads another's bytes",
+        "magi_core/host/loading/sources.py",
+        "        if begin < pos:\n",
+        "        if False:\n",
+        (("core", ("tests/test_host_source_checks.py",)),),
+    ),
+    Mutation(
+        "ac", "materialize: a rank whose weight source cannot be opened raises at once, before the first gather, so "
+        "the other ranks wait in it until the process group's timeout",
+        "magi_core/host/materialize.py",
+        "        except (MagiError, OSError, TypeError, ValueError) as exc:\n            setup = exc\n",
+        "        except (MagiError, OSError, TypeError, ValueError):\n            raise\n",
+        (("core", ("tests/test_host_setup_errors.py",)),),
+    ),
 )
 
 
