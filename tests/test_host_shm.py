@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +95,33 @@ def test_reader_opens_only_the_writers_regular_0600_file_of_the_planned_size(
     finally:
         os.close(fd)
         shm.unlink(path)
+
+
+def test_reader_refuses_a_fifo_in_place_of_the_file_at_once(shm_dir: str) -> None:
+    """A FIFO put where the writer's file should be: refused at once, not a reader waiting for a writer forever."""
+    path = os.path.join(shm_dir, shm.file_name(shm.Owner.current(), "fifo"))
+    os.mkfifo(path, 0o600)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            os.close(shm.open_existing(path, 8192))
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+
+    try:
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(5)
+        blocked = t.is_alive()
+        if blocked:  # a writer opens and closes the FIFO: the reader gets end-of-file
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            t.join(5)
+        assert not blocked, "the reader waited on a FIFO"
+        assert isinstance(outcome[0], PermissionError) and "expected a regular 0600 file" in str(outcome[0])
+    finally:
+        os.unlink(path)
 
 
 def test_cleanup_removes_only_dead_owners(shm_dir: str) -> None:

@@ -361,9 +361,11 @@ def allocate(shm_dir: str, nbytes: int, *, fd: int | None = None, offset: int = 
 def open_existing(path: str, nbytes: int, *, writable: bool = False) -> int:
     """Open a file another rank created; check its type, owner, mode and size; return the fd.
 
-    ``writable=False`` opens it read-only (enough for a copy-on-write mapping).
+    ``writable=False`` opens it read-only (enough for a copy-on-write mapping). A FIFO put in its place is refused
+    at once (opened without waiting for a writer).
     """
-    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
+                 | getattr(os, "O_CLOEXEC", 0))
     st = os.fstat(fd)
     if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077
             or st.st_size != nbytes):
