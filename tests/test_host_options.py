@@ -5,13 +5,20 @@ and values outside a field's fixed set (with a "did you mean"); byte sizes also 
 from __future__ import annotations
 
 import math
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
+from safetensors.torch import save_file
+from torch import nn
 
 from magi_core.errors import ConfigError
-from magi_core.host import HostOptions
+from magi_core.host import HostOptions, materialize
+from magi_core.plugin.cpu import registered_ranges
 
 BAD: list[tuple[str, Any, str]] = [
     # booleans: a string is never a boolean ('false' used to turn shared memory *off*, 'no' to pin)
@@ -100,3 +107,18 @@ def test_resolve_keeps_the_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MAGI_SKIP_SHM", "nan")
     with pytest.raises(ConfigError, match="MAGI_SKIP_SHM"):
         HostOptions().resolve()
+
+
+def test_materialize_arguments_are_checked_too(shm_dir: str, tmp_path: Path) -> None:
+    """strict='false' used to load strictly, and options of another type failed with an AttributeError."""
+    model = nn.Linear(2, 2)
+    save_file({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, str(tmp_path / "m.safetensors"))
+    for kwargs, expect in (({"strict": "false"}, "strict='false'"), ({"rename": "model."}, "rename='model.'"),
+                           ({"options": {"pin": False}}, "takes a magi_core.host.HostOptions, got dict")):
+        meta = nn.Linear(2, 2, device="meta")
+        with pytest.raises(ConfigError, match=re.escape(expect)):
+            materialize(meta, **{"source": tmp_path / "m.safetensors", **kwargs})
+        assert meta.weight.is_meta
+    with pytest.raises(ConfigError, match="on_progress=3"):
+        materialize(model, on_progress=3)  # type: ignore[arg-type]
+    assert os.listdir(shm_dir) == [] and registered_ranges() == {}

@@ -359,6 +359,11 @@ def materialize(
         if options is not None and not isinstance(options, HostOptions):
             raise ConfigError(f"materialize(options=...) takes a magi_core.host.HostOptions, got "
                               f"{type(options).__name__}: build one, e.g. HostOptions(pin=False)")
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict={strict!r} is invalid; expected True or False")
+        for what, fn in (("rename", rename), ("on_progress", on_progress)):
+            if fn is not None and not callable(fn):
+                raise ConfigError(f"{what}={fn!r} is invalid; expected a function or None")
         opts = (options or HostOptions()).resolve()
     except ConfigError as exc:
         setup = exc
