@@ -38,7 +38,7 @@ not check), but one copy per node stays true under pinning. "copy_on_write": eve
 ``MAP_PRIVATE`` (the writer too, after copying in through a temporary shared mapping), so an in-place write
 changes that rank's pages only; registering such a mapping with CUDA copies every page (measured on an H200),
 which :meth:`_Materializer._check_private_copies` reports. A process forked from a rank (a DataLoader or
-multiprocessing worker) maps the writable shared arenas copy-on-write (:mod:`magi_core.host.forks`): its writes
+multiprocessing worker) maps the writable shared arenas copy-on-write (:func:`shm.track_for_fork`): its writes
 stay its own.
 """
 
@@ -64,7 +64,7 @@ from torch import nn
 from tqdm import tqdm
 
 from magi_core.errors import ConfigError, MagiError
-from magi_core.host import forks, memstat, moves, pinning, shm
+from magi_core.host import memstat, moves, pinning, shm
 from magi_core.host.arena import Entry, Layout, Slot, collect, dtype_key, fingerprint, group, place, same_bytes
 from magi_core.host.config import DEFAULT_SHM_DIR, HostOptions
 from magi_core.host.errors import HostStateError, ShmSpaceError, WeightMismatchError, WeightSourceError
@@ -745,7 +745,7 @@ class _Materializer:
                 a = Arena(key=k, nbytes=nbytes, buf=buf, path=rd.paths[k], inode=int(inode), shared_by=m,
                           writer=min(m), mapping=mm, private=cow)
                 if not cow:  # a forked child maps it copy-on-write: its writes never reach this process
-                    forks.track(mm, buf.data_ptr(), fd, a)
+                    shm.track_for_fork(mm, buf.data_ptr(), fd, a)
             finally:
                 if own_fd:
                     os.close(fd)

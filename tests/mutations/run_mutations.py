@@ -303,7 +303,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "aa", "fork: a forked child keeps the parent's writable shared mappings, so its in-place writes change the "
         "parent's weights",
-        "magi_core/host/forks.py",
+        "magi_core/host/shm.py",
         "    if not entries:\n        return\n",
         "    if True:\n        return\n",
         (("core", ("tests/test_host_fork.py",)),),
