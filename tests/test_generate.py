@@ -102,26 +102,8 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
 def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, **kw: Any) -> Any:
     device = get_backend().device()
     with torch.no_grad():
-        try:
-            return model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                                  return_dict_in_generate=True, **kw)
-        except Exception as e:  # noqa: BLE001 - only the emulator's known limit is turned into an xfail
-            if "resizePrivateUse1Bytes" in "".join(str(c) for c in _chain(e)):
-                pytest.xfail(
-                    "magidev (emulated) cannot turn an empty device tensor into a fake one (torch_magidev has no "
-                    "resizePrivateUse1Bytes hook), and the device placement pass moves the fake constant of the empty "
-                    "tensor DynamicLayer starts from (torch.tensor([])) to the device as a real tensor; fixed where "
-                    "magi_core/passes/device_placement.py moves fake constants without their real value")
-            raise
-
-
-def _chain(e: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    cur: BaseException | None = e
-    while cur is not None and cur not in out:
-        out.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return out
+        return model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                              return_dict_in_generate=True, **kw)
 
 
 @pytest.mark.parametrize(
@@ -206,13 +188,6 @@ def test_plain_generate_on_the_backend_as_users_run_it() -> None:
         release(model, restore=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="magi_core/passes/split.py moves a pure node computed from host scalars and sizes (StaticLayer's "
-    "cache_position = arange(s0) + cumulative_length, once the prompt length is dynamic) to its first user, past the "
-    "in-place cumulative_length.add_(s0) between them: it reads the advanced length. Fixed when _free_nodes leaves "
-    "out nodes that are written in place and nodes reading them; remove this marker then",
-)
 def test_static_cache_generate_after_a_new_prompt_length() -> None:
     """A second prompt length makes the prefill dynamic (one more graph each for prefill and decode, then none)."""
     model, ref = _models("llama")

@@ -199,3 +199,39 @@ def test_top_level_graph_holds_only_unit_calls() -> None:
         assert node.op in ("placeholder", "call_module", "output") or node.target is operator.getitem
     assert [u.node for u in split.units] == list(split.graph_module.graph.find_nodes(op="call_module"))
     assert all(u.module is split.graph_module.get_submodule(u.attr) for u in split.units)
+
+
+class Counted(nn.Module):
+    """A cache-like counter: a position read before the counter advances in place, used after other blocks."""
+
+    def __init__(self, n: int = 3, dim: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n))
+
+    def forward(self, x: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        position = torch.arange(x.shape[0]) + length  # pure, from a host scalar and a size
+        length.add_(x.shape[0])
+        for layer in self.layers:
+            x = layer(x)
+        return x + position[:, None].to(x.dtype)
+
+
+def test_a_value_written_in_place_is_read_where_the_graph_reads_it() -> None:
+    """A pure node computed from a host value the graph advances in place stays before the write; the split
+    would otherwise move it to its first user, after the write, and read the advanced value."""
+    model = Counted()
+    trace = trace_with(model, (torch.randn(4, 8), torch.tensor(3)), lambda gm, ex: split_into_units(gm, ex))
+    assert len(trace.result.units) >= 3
+
+    def run(gm: torch.fx.GraphModule) -> tuple[torch.Tensor, int]:
+        inputs = [v.clone() if isinstance(v, torch.Tensor) else v for v in trace.example_inputs]
+        length = next(v for v in inputs if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point())
+        before = int(length)
+        with torch.no_grad():
+            out = gm(*inputs_on("cpu", inputs))
+        return out[0], int(length) - before
+
+    ref, advanced_ref = run(trace.pristine)
+    out, advanced = run(trace.result.graph_module)
+    assert advanced == advanced_ref == 4
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -123,7 +123,10 @@ class _Mover:
         with torch.no_grad():
             if isinstance(t, FakeTensor):
                 with t.fake_mode:
-                    new = t.to(self.device)
+                    if getattr(t, "constant", None) is not None:  # metadata only: its real value stays on the host
+                        new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+                    else:
+                        new = t.to(self.device)
             elif self.device.type == "meta":
                 new = t.to("meta")
             else:  # a real tensor as metadata: never copy real data to the device for metadata

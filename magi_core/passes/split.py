@@ -52,6 +52,7 @@ from magi_core.passes.units import OffloadUnit, SplitGraph, WeightSlot
 from magi_core.passes.weights import (
     concrete_int,
     is_host_scalar,
+    is_mutated,
     node_value,
     tensor_nbytes,
     weight_input_indices,
@@ -154,17 +155,20 @@ class _Splitter:
 
     # -- free nodes (computed from weights / scalars / sizes only) ---------------------------------
     def _free_nodes(self) -> set[torch.fx.Node]:
-        sources: set[torch.fx.Node] = set(self.weight_nodes)
+        # Free nodes move to their first user; a value written in place (a cache's length counter) is read
+        # where the graph reads it, so neither it nor anything computed from it is free.
+        sources: set[torch.fx.Node] = {n for n in self.weight_nodes if not is_mutated(n)}
         for ph in self.placeholders:
             v = node_value(ph)
             if is_host_scalar(v) or isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float)):
-                sources.add(ph)
+                if not is_mutated(ph):
+                    sources.add(ph)
         free: set[torch.fx.Node] = set()
         for node in self.graph.nodes:
             if node.op in ("placeholder", "output", "get_attr") or not _is_pure(node):
                 continue
             inputs = node.all_input_nodes
-            if inputs and all(n in sources or n in free for n in inputs):
+            if inputs and all(n in sources or n in free for n in inputs) and not is_mutated(node):
                 free.add(node)
         return free
 
