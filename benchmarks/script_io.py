@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from magi_core import get_backend
-from magi_core.host.memstat import anonymous_bytes, system_memory
+from magi_core.host.memstat import anonymous_bytes
 from magi_core.plugin.facade import Backend
 
 
@@ -28,19 +28,6 @@ def start_ranks() -> tuple[Backend, torch.device, int, int]:
         device = be.device()
         dist.init_process_group("gloo")
     return be, device, dist.get_rank(), dist.get_world_size()
-
-
-def node_shmem_bytes() -> int:
-    """The node's shared memory (``/proc/meminfo`` Shmem) with every CPU's pending count folded in: each CPU keeps
-    a delta of the pages it allocated until the kernel folds it (about every second, or past a threshold), so
-    right after several threads filled a sparse file the total can lag by percents of a small one. As root the
-    deltas are folded now (``/proc/sys/vm/stat_refresh``); otherwise it waits for the kernel to fold them."""
-    try:
-        with open("/proc/sys/vm/stat_refresh", "w") as f:
-            f.write("1")
-    except OSError:
-        time.sleep(2.0)
-    return system_memory().get("Shmem", 0)
 
 
 def emit_json(doc: Any, path: str | None) -> None:

@@ -23,7 +23,7 @@ def _changes(d: dict[str, Any] | None) -> str:
 
 def is_two_gpu_doc(doc: dict[str, Any]) -> bool:
     """True for a ``benchmarks/llama70b_two_gpus.py`` result."""
-    return "ranks" in doc and "shmem_over_weights" in doc
+    return "ranks" in doc and ("host_over_weights" in doc or "shmem_over_weights" in doc)
 
 
 def is_load_rate_doc(doc: dict[str, Any]) -> bool:
@@ -36,12 +36,17 @@ def is_moe_doc(doc: dict[str, Any]) -> bool:
     return isinstance(doc.get("model"), dict) and "results" in doc and "torchrun_command" in doc
 
 
+def _host_over_weights(doc: dict[str, Any]) -> Any:
+    """The ranks' summed arena Pss over the weights (older results: the node's Shmem growth)."""
+    return doc.get("host_over_weights", doc.get("shmem_over_weights"))
+
+
 def two_gpu_run(doc: dict[str, Any]) -> list[str]:
     """One run: host bytes of the node against the weights, each rank's step against its ideal, load, first step."""
     lines = [f"### {doc.get('layers')} layers, hidden {doc.get('hidden')}, {doc.get('tokens')} tokens, "
              f"{doc.get('gpus')}x {doc.get('hardware')} - {doc.get('date')}", "",
              f"torch {doc.get('torch')}, {human_bytes(doc.get('weight_bytes'))} of weights, ratio "
-             f"{doc.get('ratio')}; shared memory grew by {_f(doc.get('shmem_over_weights'), '{:.4f}')}x the "
+             f"{doc.get('ratio')}; host memory of the weights {_f(_host_over_weights(doc), '{:.4f}')}x the "
              f"weights; command: `{doc.get('command')}`", "",
              "| rank | step ms | ideal ms | x ideal | streamed | link GB/s | planning probe GB/s | arena copy GB/s | "
              "load s | load GB/s | first step s |", "|---|---|---|---|---|---|---|---|---|---|---|"]

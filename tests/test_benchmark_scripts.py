@@ -97,7 +97,9 @@ def test_llama70b_rehearsal_two_gloo_ranks_one_host_copy(tmp_path: Path) -> None
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert 0.99 <= doc["shmem_over_weights"] <= 1.02 and doc["targets"]["host weights <= 1.02 W"]
+    assert 0.99 <= doc["host_over_weights"] <= 1.02 and doc["targets"]["host weights <= 1.02 W"]
+    assert doc["host_pss_bytes"] == sum(r["arena_pss_bytes"] for r in doc["ranks"])
+    assert all(r["arena_pss_bytes"] > 0 for r in doc["ranks"])  # both ranks map the one copy
     ranks = doc["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["finite"] for r in ranks)
     for r in ranks:
