@@ -20,15 +20,10 @@ from helpers.tracking import compile_tracked, newest
 from test_executor_models import Breaks, PassThrough, TupleKw
 
 from magi_core.api import handle, offload, release
-from magi_core.compile.device_inputs import (
-    ProxyPool,
-    current_substitutions,
-    replace_device_tensors,
-    restore_device_tensors,
-    substituting,
-)
+from magi_core.compile.device_inputs import ProxyPool, replace_device_tensors, restore_device_tensors
 from magi_core.config import OffloadConfig
 from magi_core.errors import MagiError
+from magi_core.execute.inputs import current_substitutions, substituting
 from magi_core.plugin.manager import get_backend
 
 CFG = OffloadConfig(policy="HEURISTIC", gpu_resident_weight_ratio=0.5, unit_compiler="eager", warmup_calls=2)

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, ``magi_core.bench`` only reached from the CLI, small rooms.
+"""The package's shape: imports point down the floors, no import cycles, ``magi_core.bench`` only reached from
+the CLI, small rooms, short files.
 
 The import graph is read from the source with :mod:`ast` (nothing is imported): every ``import`` and
 ``from ... import`` statement of a module, at module level or inside functions, except those under
@@ -25,6 +26,35 @@ ROOT = Path(magi_core.__file__).resolve().parent
 BENCH_IMPORTERS = {"magi_core.cli", "magi_core.__main__"}
 MAX_TOP_LEVEL_MODULES = 8
 MAX_PACKAGE_MODULES = 10
+MAX_FILE_LINES = 500
+
+#: The floors of ``docs/architecture.md``, lowest first: a module imports only from its own room or from a room
+#: on a lower floor (rooms on one floor never import each other). A module's room is the longest name here that
+#: is a prefix of it (``magi_core.host.shm`` -> ``magi_core.host``; ``magi_core`` alone is the package's
+#: ``__init__``).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("magi_core.errors",),
+    ("magi_core._env",),
+    ("magi_core.config", "magi_core.plugin"),
+    ("magi_core.passes", "magi_core.plan", "magi_core.host"),
+    ("magi_core.execute", "magi_core.testing"),
+    ("magi_core.compile",),
+    ("magi_core.api",),
+    ("magi_core",),
+    ("magi_core.bench",),
+    ("magi_core.cli",),
+    ("magi_core.__main__",),
+)
+
+#: Files over :data:`MAX_FILE_LINES` lines that hold one idea each (path under ``magi_core/`` -> the idea).
+LONG_FILES: dict[str, str] = {
+    "compile/lifecycle.py": "the lifecycle of one compiled graph: warm-up, profiling, planning, installing the plan",
+    "host/loading/sources.py": "weight sources: the safetensors reader, the function source, open_source",
+    "host/materialize.py": "materialising host weights (being split by idea)",
+    "host/shm.py": "shared-memory files, and their copy-on-write remapping in forked children",
+    "plugin/manager.py": "backend discovery and selection",
+    "testing/conformance.py": "the conformance suite",
+}
 
 Graph = Mapping[str, Iterable[str]]
 
@@ -205,6 +235,53 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles in magi_core:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def room_of(module: str, floors: tuple[tuple[str, ...], ...] = FLOORS) -> tuple[str, int]:
+    """The room (longest matching name of ``floors``) holding ``module``, and its floor (0 = lowest)."""
+    best: tuple[str, int] | None = None
+    for level, rooms in enumerate(floors):
+        for room in rooms:
+            if (module == room or module.startswith(room + ".")) and (best is None or len(room) > len(best[0])):
+                best = (room, level)
+    if best is None:
+        raise AssertionError(f"{module} is in no room of FLOORS: give its package a floor")
+    return best
+
+
+def upward_imports(graph: Graph, floors: tuple[tuple[str, ...], ...] = FLOORS) -> list[str]:
+    """Every import from one room into another room that is not on a lower floor, as readable lines, sorted."""
+    bad = []
+    for module, targets in graph.items():
+        room, level = room_of(module, floors)
+        for target in targets:
+            to_room, to_level = room_of(target, floors)
+            if to_room != room and to_level >= level:
+                way = "up" if to_level > level else "sideways"
+                bad.append(f"{module} (floor {level}) imports {target} (floor {to_level}, {way})")
+    return sorted(bad)
+
+
+def test_imports_point_down() -> None:
+    bad = upward_imports(import_graph())
+    assert not bad, "imports that do not point down the floors (FLOORS, docs/architecture.md):\n" + "\n".join(bad)
+
+
+def long_files(root: Path = ROOT, limit: int = MAX_FILE_LINES) -> dict[str, int]:
+    """Relative path -> line count of every module under ``root`` longer than ``limit`` lines."""
+    counts = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in sorted(root.rglob("*.py"))}
+    return {path: n for path, n in counts.items() if n > limit}
+
+
+def test_files_stay_short() -> None:
+    """One idea per file: a file over the limit is split, or named in LONG_FILES with the one idea it holds."""
+    found = long_files()
+    unlisted = {path: n for path, n in found.items() if path not in LONG_FILES}
+    assert not unlisted, (f"files over {MAX_FILE_LINES} lines: {unlisted}; split them by idea, or add one that is "
+                          "a single idea to LONG_FILES saying which")
+    stale = sorted(set(LONG_FILES) - set(found))
+    assert not stale, f"LONG_FILES names files that are not over {MAX_FILE_LINES} lines (any more): {stale}"
+    assert all(idea.strip() for idea in LONG_FILES.values()), "every LONG_FILES entry names its idea"
+
+
 def _in_bench(module: str) -> bool:
     return module == "magi_core.bench" or module.startswith("magi_core.bench.")
 
@@ -238,6 +315,28 @@ def test_graph_sees_real_imports() -> None:
 
 
 # -- the checker can fail ----------------------------------------------------------------------------------------
+def test_every_module_has_a_floor() -> None:
+    for module in import_graph():
+        room_of(module)
+
+
+def test_upward_imports_on_synthetic_graphs() -> None:
+    floors = (("p.low",), ("p.mid", "p.side"), ("p",))
+    assert room_of("p.mid.x", floors) == ("p.mid", 1) and room_of("p", floors) == ("p", 2)
+    assert upward_imports({"p.mid.x": {"p.low.y", "p.mid.z"}, "p": {"p.mid.x"}}, floors) == []
+    assert upward_imports({"p.low.y": {"p.mid.x"}}, floors) == ["p.low.y (floor 0) imports p.mid.x (floor 1, up)"]
+    assert upward_imports({"p.mid": {"p.side.k"}}, floors) == ["p.mid (floor 1) imports p.side.k (floor 1, sideways)"]
+    with pytest.raises(AssertionError, match="no room"):
+        room_of("q.x", floors)
+
+
+def test_long_files_on_a_synthetic_package(tmp_path: Path) -> None:
+    root = _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "x = 1\n" * 5, "pkg/sub/__init__.py": "",
+                             "pkg/sub/b.py": "x = 1\n" * 3})
+    assert long_files(root, 4) == {"a.py": 5}
+    assert long_files(root, 2) == {"a.py": 5, "sub/b.py": 3}
+
+
 def test_find_cycles_on_synthetic_graphs() -> None:
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]

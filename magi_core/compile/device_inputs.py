@@ -6,8 +6,9 @@ therefore calls the compiled forward through :class:`OffloadedForward`, which re
 in the arguments by a cached, never-filled host *proxy* of the same shape, stride and dtype, and records
 ``{id(proxy): device_tensor}`` in a thread-local substitution map for the duration of the call. Dynamo traces
 and guards on host tensors (consistent with the host weights); the executor's input preparation
-(:mod:`.inputs`) takes the device tensor for any graph input whose id is in the current map. Device tensors
-are never copied to the host, proxies never read. Pass-through outputs come back as the device tensors.
+(:mod:`magi_core.execute.inputs`, which holds the map) takes the device tensor for any graph input whose id is
+in the current map. Device tensors are never copied to the host, proxies never read. Pass-through outputs come
+back as the device tensors.
 
 Arguments are walked through tuples, lists and dicts (rebuilt for the call) and through other objects' attributes
 (changed in place for the call and put back afterwards, :mod:`.object_inputs`): a KV cache object the model updates
@@ -21,37 +22,19 @@ import functools
 import importlib
 import threading
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from magi_core.compile.object_inputs import MAX_DEPTH, ObjectSwap, walkable
 from magi_core.errors import MagiError
+from magi_core.execute.inputs import substituting
 
 if TYPE_CHECKING:
     from magi_core.compile.handle import OffloadHandle
 
-_local = threading.local()
-
 ProxyKey = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
-
-
-def current_substitutions() -> dict[int, torch.Tensor] | None:
-    """The substitution map of the offloaded call running on this thread (``None`` outside one)."""
-    return getattr(_local, "subs", None)
-
-
-@contextmanager
-def substituting(subs: dict[int, torch.Tensor]) -> Iterator[None]:
-    """Make ``subs`` (``id(proxy) -> device tensor``) this thread's substitution map inside the block."""
-    prev = getattr(_local, "subs", None)
-    _local.subs = subs
-    try:
-        yield
-    finally:
-        _local.subs = prev
 
 
 class ProxyPool:

@@ -1,18 +1,42 @@
 """Input preparation: non-weight graph inputs to the device, lifted 0-dim host scalars left on the host.
 
 Inside an :func:`~magi_core.api.offload` call, graph inputs that are host proxies of device tensors
-(:mod:`.device_inputs`) are replaced by those device tensors: one dict look-up per non-weight input, no copy.
+(:mod:`magi_core.compile.device_inputs`) are replaced by those device tensors: one dict look-up per non-weight
+input, no copy. The thread's substitution map lives here, below the forward that sets it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from magi_core.compile.device_inputs import current_substitutions
 from magi_core.passes.weights import is_host_scalar
+
+_local = threading.local()
+
+
+def current_substitutions() -> dict[int, torch.Tensor] | None:
+    """The substitution map of the offloaded call running on this thread (``None`` outside one)."""
+    return getattr(_local, "subs", None)
+
+
+@contextmanager
+def substituting(subs: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Make ``subs`` (``id(proxy) -> device tensor``) this thread's substitution map inside the block.
+
+    The forward that replaces device inputs by host proxies (:mod:`magi_core.compile.device_inputs`) sets it;
+    :meth:`InputPreparer.fill` reads it, so the map lives here, below both.
+    """
+    prev = getattr(_local, "subs", None)
+    _local.subs = subs
+    try:
+        yield
+    finally:
+        _local.subs = prev
 
 
 class InputPreparer:
