@@ -35,6 +35,7 @@ from magi_core._env import (
     warn_unknown_env,
 )
 from magi_core.errors import ConfigError
+from magi_core.plugin.spec import UNIT_COMPILERS as BACKEND_UNIT_COMPILERS
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ DEFAULT_PROBE_BYTES_CPU = 16 * MIB
 DEVICE_RESERVE_BYTES = GIB // 2
 DEVICE_RESERVE_SHARE = 0.1
 #: Values of ``OffloadConfig.unit_compiler``.
-UNIT_COMPILERS = ("auto", "inductor", "eager")
+UNIT_COMPILERS = ("auto", *BACKEND_UNIT_COMPILERS)
 #: How streamed weights are copied: "auto" (by backend kind), one copy per unit into a planned device buffer,
 #: or one copy per weight.
 TRANSFERS = ("auto", "unit", "per_tensor")

@@ -35,7 +35,8 @@ MAX_FILE_LINES = 500
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("magi_core.errors",),
     ("magi_core._env",),
-    ("magi_core.config", "magi_core.plugin"),
+    ("magi_core.plugin",),
+    ("magi_core.config",),
     ("magi_core.passes", "magi_core.plan", "magi_core.host"),
     ("magi_core.execute", "magi_core.testing"),
     ("magi_core.compile",),
