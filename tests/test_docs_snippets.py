@@ -9,6 +9,7 @@ cannot run here (it needs CUDA, several ranks under torchrun, or files that are 
 from __future__ import annotations
 
 import gc
+import os
 import re
 import textwrap
 from collections.abc import Iterator
@@ -54,12 +55,15 @@ def _release_all(namespace: dict[str, object]) -> None:
 def page_env(shm_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A fresh working directory and a fresh Dynamo for each page; offloaded models released after it."""
     monkeypatch.chdir(tmp_path)
-    for var in [v for v in __import__("os").environ if v.startswith("MAGI_OFFLOAD_")]:
+    for var in [v for v in os.environ if v.startswith("MAGI_OFFLOAD_")]:
         monkeypatch.delenv(var)
+    environ = dict(os.environ)
     torch._dynamo.reset()
     yield tmp_path
     torch._dynamo.reset()
     gc.collect()
+    os.environ.clear()  # a page may set variables of its own (configuration.md): put the environment back
+    os.environ.update(environ)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
