@@ -1,4 +1,7 @@
-"""CONTRIBUTING.md runs as printed: its backend example executes and loads, and the paths it names exist."""
+"""The backend author's guide runs as printed: its backend example executes and loads, and the paths it names exist.
+
+The guide is ``docs/backends/writing.md``; CONTRIBUTING.md links to it, and the names and paths both name must exist.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +23,15 @@ from magi_core.plugin.manager import OPTIONAL_HOOKS
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRIBUTING = ROOT / "CONTRIBUTING.md"
-#: Heading (its start) of the section whose examples must run as printed.
+#: The backend author's guide, whose examples must run as printed.
+GUIDE = ROOT / "docs" / "backends" / "writing.md"
+#: Heading (its start) of a section (``section`` reads it; the guide is one page of its own).
 WRITING = "Writing a backend"
+#: The documents whose magi_core names and repository paths must exist.
+DOCUMENTS = (CONTRIBUTING, GUIDE)
 #: The module of the vendor extension the example imports; it must not exist for the example's probe.
 VENDOR_EXTENSION = "torch_mydev"
-#: Top-level folders of this repository that CONTRIBUTING.md may name paths under.
+#: Top-level folders of this repository that the documents may name paths under.
 REPO_DIRS = ("magi_core", "tests", "benchmarks", "backends", "docs")
 
 
@@ -41,19 +48,19 @@ def code_blocks(text: str, language: str) -> list[str]:
 
 
 def writing_section() -> str:
-    """CONTRIBUTING.md's "Writing a backend" section."""
-    return section(CONTRIBUTING.read_text(encoding="utf-8"), WRITING)
+    """The backend author's guide, ``docs/backends/writing.md``."""
+    return GUIDE.read_text(encoding="utf-8") if GUIDE.exists() else ""
 
 
 def python_examples() -> list[str]:
-    """Every ```python block of the "Writing a backend" section."""
+    """Every ```python block of the backend author's guide."""
     return code_blocks(writing_section(), "python")
 
 
 def run_example(source: str, name: str) -> types.ModuleType:
     """Execute ``source`` as a fresh module called ``name`` (as importing the backend package would)."""
     module = types.ModuleType(name)
-    module.__file__ = f"<CONTRIBUTING.md: {name}>"
+    module.__file__ = f"<docs/backends/writing.md: {name}>"
     exec(compile(source, module.__file__, "exec"), module.__dict__)
     return module
 
@@ -61,7 +68,7 @@ def run_example(source: str, name: str) -> types.ModuleType:
 def backend_example() -> str:
     """The python example that implements the hooks (the backend module)."""
     found = [src for src in python_examples() if "@hookimpl" in src]
-    assert len(found) == 1, f"expected one backend module among CONTRIBUTING.md's python examples, found {len(found)}"
+    assert len(found) == 1, f"expected one backend module among the guide's python examples, found {len(found)}"
     return found[0]
 
 
@@ -69,7 +76,7 @@ def entry_point_example() -> tuple[str, str]:
     """(backend name, module) from the ``magi.backends`` entry point of the section's ```toml block."""
     tomllib = pytest.importorskip("tomllib")
     blocks = code_blocks(writing_section(), "toml")
-    assert len(blocks) == 1, "expected one ```toml block (the entry point) in 'Writing a backend'"
+    assert len(blocks) == 1, "expected one ```toml block (the entry point) in docs/backends/writing.md"
     eps = tomllib.loads(blocks[0])["project"]["entry-points"][spec.ENTRY_POINT_GROUP]
     assert len(eps) == 1
     return next(iter(eps.items()))
@@ -84,8 +91,9 @@ def no_vendor_extension(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- the examples -------------------------------------------------------------------------------
 
 def test_the_section_has_examples() -> None:
-    assert writing_section(), f"CONTRIBUTING.md has no '## {WRITING}' section"
-    assert python_examples(), f"'## {WRITING}' has no ```python block"
+    assert writing_section(), f"{GUIDE.relative_to(ROOT)} is missing or empty"
+    assert python_examples(), f"{GUIDE.relative_to(ROOT)} has no ```python block"
+    assert str(GUIDE.relative_to(ROOT)) in CONTRIBUTING.read_text(encoding="utf-8"), "CONTRIBUTING.md links the guide"
 
 
 def test_examples_import_magi_core_only_through_magi_core_plugin() -> None:
@@ -153,7 +161,7 @@ def test_code_block_extraction_handles_list_item_fences() -> None:
     assert section("# T\n## Writing a backend, step by step\nbody\n## Next\nrest\n", WRITING) == "\nbody\n"
 
 
-# -- every path CONTRIBUTING.md names exists ----------------------------------------------------
+# -- every path CONTRIBUTING.md and the guide name exists ----------------------------------------
 
 def dotted_names(markdown: str) -> set[str]:
     """Every ``magi_core.x.y`` name in ``markdown``."""
@@ -183,18 +191,20 @@ def resolves(name: str) -> bool:
     return False
 
 
-def test_every_magi_core_name_in_contributing_resolves() -> None:
-    names = dotted_names(CONTRIBUTING.read_text(encoding="utf-8"))
-    assert names, "expected CONTRIBUTING.md to name magi_core modules"
+@pytest.mark.parametrize("doc", DOCUMENTS, ids=lambda p: p.name)
+def test_every_magi_core_name_resolves(doc: Path) -> None:
+    names = dotted_names(doc.read_text(encoding="utf-8"))
+    assert names, f"expected {doc.name} to name magi_core modules"
     stale = sorted(n for n in names if not resolves(n))
-    assert not stale, f"CONTRIBUTING.md names magi_core modules or attributes that do not exist: {stale}"
+    assert not stale, f"{doc.name} names magi_core modules or attributes that do not exist: {stale}"
 
 
-def test_every_repository_path_in_contributing_exists() -> None:
-    paths = file_paths(CONTRIBUTING.read_text(encoding="utf-8"))
+@pytest.mark.parametrize("doc", DOCUMENTS, ids=lambda p: p.name)
+def test_every_repository_path_exists(doc: Path) -> None:
+    paths = file_paths(doc.read_text(encoding="utf-8"))
     assert any(p.startswith("magi_core/") and p.endswith(".py") for p in paths)
     stale = sorted(p for p in paths if not (ROOT / p).exists())
-    assert not stale, f"CONTRIBUTING.md names paths that do not exist: {stale}"
+    assert not stale, f"{doc.name} names paths that do not exist: {stale}"
 
 
 def test_path_checks_catch_stale_names() -> None:

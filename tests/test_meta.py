@@ -42,51 +42,6 @@ def hookspec_functions() -> dict[str, object]:
     }
 
 
-def hook_reference_entries(markdown: str) -> set[str]:
-    """Hook names with a ``### name`` section under the ``## Hook reference`` heading."""
-    return set(hook_reference_blocks(markdown))
-
-
-def hook_reference_blocks(markdown: str) -> dict[str, str]:
-    """``### name`` -> the text of that entry, for every entry under the ``## Hook reference`` heading."""
-    match = re.search(r"^## Hook reference\s*$(.*?)(?=^## |\Z)", markdown, re.M | re.S)
-    if match is None:
-        return {}
-    parts = re.split(r"^### (\w+)\s*$", match.group(1), flags=re.M)
-    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
-
-
-@dataclasses.dataclass
-class Bullet:
-    """One top-level ``- Field: text`` bullet of a reference entry, with its indented sub-bullets."""
-
-    text: str
-    items: list[str] = dataclasses.field(default_factory=list)
-
-
-def entry_bullets(entry: str) -> dict[str, Bullet]:
-    """Field name -> bullet, for the ``- Field: text`` bullets of one reference entry (continuations joined)."""
-    bullets: dict[str, Bullet] = {}
-    current: Bullet | None = None
-    for line in entry.splitlines():
-        top = re.match(r"^- ([A-Z][\w ]*?):\s*(.*)$", line)
-        sub = re.match(r"^  - (.*)$", line)
-        if top:
-            current = bullets[top.group(1)] = Bullet(top.group(2).strip())
-        elif current is not None and sub:
-            current.items.append(sub.group(1).strip())
-        elif current is not None and line.startswith("  ") and line.strip():
-            if current.items:
-                current.items[-1] += " " + line.strip()
-            else:
-                current.text += " " + line.strip()
-        elif not line.strip():
-            continue
-        else:
-            current = None
-    return bullets
-
-
 def annotation_text(annotation: Any) -> str:
     """An annotation as written in the spec (they are strings there: ``from __future__ import annotations``)."""
     return annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
@@ -95,13 +50,6 @@ def annotation_text(annotation: Any) -> str:
 def spec_parameters(fn: Callable[..., Any]) -> list[tuple[str, str]]:
     """(name, annotation) of each parameter of a hook spec, in order."""
     return [(p.name, annotation_text(p.annotation)) for p in inspect.signature(fn).parameters.values()]
-
-
-def spec_signature(name: str, fn: Callable[..., Any]) -> str:
-    """``name(param: type, ...) -> return`` as the hook reference prints it."""
-    sig = inspect.signature(fn)
-    params = ", ".join(f"{n}: {a}" for n, a in spec_parameters(fn))
-    return f"{name}({params}) -> {annotation_text(sig.return_annotation)}"
 
 
 def version_added(doc: str) -> list[str]:
@@ -120,48 +68,25 @@ def spec_default(doc: str) -> str | None:
     return first_token(match.group(1)) if match else None
 
 
-def documented_items(items: Iterable[str]) -> list[tuple[str, str]]:
-    """(name, type) of sub-bullets written like ``- `ptr` (`int`): meaning``."""
-    out = []
-    for item in items:
-        match = re.match(r"^`(\w+)` \(`([^`]+)`\): \S", item)
-        out.append((match.group(1), match.group(2)) if match else ("?", item))
-    return out
+def field_docstrings(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it in the class body (what the generated reference shows)."""
+    import ast
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body.body, body.body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = nxt.value.value
+    return docs
 
 
-def reference_problems(hook: str, fn: Callable[..., Any], entry: str, required: bool) -> list[str]:
-    """What in a hook reference entry disagrees with the hook spec ``fn`` (empty when it matches)."""
-    problems: list[str] = []
-    fields = entry_bullets(entry)
-    for field in ("Signature", "Required", "Added in", "Parameters", "Returns", "Called", "Semantics"):
-        if field not in fields or not fields[field].text and not fields[field].items:
-            problems.append(f"{hook}: no '- {field}:' bullet")
-    if problems:
-        return problems
-    want = spec_signature(hook, fn)
-    if fields["Signature"].text != f"`{want}`":
-        problems.append(f"{hook}: Signature is {fields['Signature'].text}, the spec says `{want}`")
-    params = spec_parameters(fn)
-    if params:
-        got = documented_items(fields["Parameters"].items)
-        if got != params:
-            problems.append(f"{hook}: Parameters document {got}, the spec has {params} (as `name` (`type`): ...)")
-    elif fields["Parameters"].text != "none." or fields["Parameters"].items:
-        problems.append(f"{hook}: Parameters should read 'none.' (the spec takes no arguments)")
-    req = fields["Required"].text
-    if required and req != "yes.":
-        problems.append(f"{hook}: Required should read 'yes.' (it is in REQUIRED_HOOKS), got {req!r}")
-    if not required:
-        match = re.match(r"^no\. Default: (.+)$", req)
-        doc_default = spec_default(inspect.getdoc(fn) or "")
-        if match is None:
-            problems.append(f"{hook}: Required should read 'no. Default: ...' (optional hook), got {req!r}")
-        elif first_token(match.group(1)) != doc_default:
-            problems.append(f"{hook}: Default {match.group(1)!r} differs from the spec's {doc_default!r}")
-    added = version_added(inspect.getdoc(fn) or "")
-    if fields["Added in"].text != f"spec {added[0] if added else '?'}.":
-        problems.append(f"{hook}: Added in is {fields['Added in'].text!r}, the spec says versionadded {added}")
-    return problems
+#: The generated hook reference: a mkdocstrings directive over the spec module.
+HOOK_PAGE = ROOT / "docs" / "reference" / "hooks.md"
+#: Documents that must not keep a hand-written copy of the hook reference.
+NO_COPIES = (ROOT / "CONTRIBUTING.md", ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
 
 
 def hook_test_files(root: Path) -> Iterable[Path]:
@@ -206,15 +131,20 @@ def test_every_hookspec_has_a_docstring(hook: str) -> None:
     assert doc and doc.strip(), f"hook spec {hook} needs a one-line docstring"
 
 
-def test_every_hookspec_is_in_the_hook_reference() -> None:
-    documented = hook_reference_entries((ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8"))
-    missing = set(hookspec_functions()) - documented
-    assert not missing, f"add a '### NAME' section to CONTRIBUTING.md's hook reference for: {sorted(missing)}"
+def test_hook_reference_is_generated_from_the_spec() -> None:
+    text = HOOK_PAGE.read_text(encoding="utf-8")
+    assert re.search(r"^::: magi_core\.plugin\.spec\s*$", text, re.M), f"{HOOK_PAGE.name} must render the spec module"
+    hidden = [pat[1:] for pat in re.findall(r'"(![^"]+)"', text)]
+    shown = [h for h in hookspec_functions() if not any(re.search(pat, h) for pat in hidden)]
+    assert sorted(shown) == sorted(hookspec_functions()), "the page's filters must not hide a hook spec"
 
 
-def test_hook_reference_parser_needs_the_section() -> None:
-    assert hook_reference_entries("## Hook reference\n\n### magi_probe\n\n## Other\n### magi_x\n") == {"magi_probe"}
-    assert hook_reference_entries("### magi_probe\n") == set()
+def test_no_hand_written_copy_of_the_hook_reference() -> None:
+    for doc in NO_COPIES:
+        text = doc.read_text(encoding="utf-8")
+        copies = re.findall(r"^#+ (magi_\w+)\s*$", text, re.M)
+        assert not re.search(r"^## Hook reference", text, re.M) and not copies, \
+            f"{doc.relative_to(ROOT)} repeats the hook reference ({copies}): link docs/reference/hooks.md instead"
 
 
 def test_every_hookspec_is_named_by_a_test() -> None:
@@ -227,25 +157,7 @@ def test_untested_hooks_detects_a_missing_test(tmp_path: Path) -> None:
     assert untested_hooks(["magi_probe", "magi_range_pop"], [tmp_path / "test_a.py"]) == {"magi_range_pop"}
 
 
-# -- the hook reference agrees with the spec: signature, parameters, required or optional, version ----
-
-CONTRIBUTING = ROOT / "CONTRIBUTING.md"
-
-
-def test_hook_reference_lists_exactly_the_hookspecs() -> None:
-    documented = hook_reference_entries(CONTRIBUTING.read_text(encoding="utf-8"))
-    stale = documented - set(hookspec_functions())
-    assert not stale, f"CONTRIBUTING.md's hook reference documents hooks the spec does not have: {sorted(stale)}"
-
-
-@pytest.mark.parametrize("hook", sorted(hookspec_functions()))
-def test_hook_reference_entry_matches_the_spec(hook: str) -> None:
-    entry = hook_reference_blocks(CONTRIBUTING.read_text(encoding="utf-8")).get(hook, "")
-    fn = hookspec_functions()[hook]
-    assert callable(fn)
-    problems = reference_problems(hook, fn, entry, hook in hookspecs.REQUIRED_HOOKS)
-    assert not problems, "CONTRIBUTING.md's hook reference disagrees with magi_core/plugin/spec.py:\n" + \
-        "\n".join(problems)
+# -- the hook specs document themselves (the generated reference shows their docstrings) ------------------
 
 
 @pytest.mark.parametrize("hook", sorted(hookspec_functions()))
@@ -285,32 +197,23 @@ def test_hookspec_version_is_1_2_and_each_minor_only_added_optional_hooks() -> N
     assert version_added(inspect.getdoc(hookspecs.DeviceMemory) or "") == ["1.2"]
 
 
-def test_device_memory_fields_are_documented_in_spec_and_reference() -> None:
-    fields = [(f.name, annotation_text(f.type)) for f in dataclasses.fields(hookspecs.DeviceMemory)]
-    source = inspect.getsource(hookspecs.DeviceMemory)
-    undocumented = [n for n, _ in fields if not re.search(rf"#:.*\n(?:\s*#:.*\n)*\s*{n}:", source)]
-    assert not undocumented, f"DeviceMemory fields without a '#:' comment in spec.py: {undocumented}"
-    entry = hook_reference_blocks(CONTRIBUTING.read_text(encoding="utf-8"))["magi_device_memory"]
-    assert documented_items(entry_bullets(entry)["Returns"].items) == fields, \
-        "CONTRIBUTING.md's magi_device_memory 'Returns' bullet must list DeviceMemory's fields as `name` (`type`): ..."
+@pytest.mark.parametrize("cls", [hookspecs.ProbeResult, hookspecs.Capabilities, hookspecs.DeviceMemory],
+                         ids=lambda c: c.__name__)
+def test_result_fields_are_documented_in_the_spec(cls: type) -> None:
+    fields = [f.name for f in dataclasses.fields(cls)]
+    docs = field_docstrings(cls)
+    undocumented = [n for n in fields if not docs.get(n, "").strip()]
+    assert not undocumented, f"{cls.__name__} fields without a docstring under them in spec.py: {undocumented}"
 
 
-def test_capabilities_fields_are_documented_in_spec_and_reference() -> None:
-    fields = [(f.name, annotation_text(f.type)) for f in dataclasses.fields(hookspecs.Capabilities)]
-    source = inspect.getsource(hookspecs.Capabilities)
-    undocumented = [n for n, _ in fields if not re.search(rf"#:.*\n(?:\s*#:.*\n)*\s*{n}:", source)]
-    assert not undocumented, f"Capabilities fields without a '#:' comment in spec.py: {undocumented}"
-    entry = hook_reference_blocks(CONTRIBUTING.read_text(encoding="utf-8"))["magi_capabilities"]
-    returns = entry_bullets(entry)["Returns"]
-    assert documented_items(returns.items) == fields, \
-        "CONTRIBUTING.md's magi_capabilities 'Returns' bullet must list Capabilities' fields as `name` (`type`): ..."
-    assert hookspecs.Capabilities() == hookspecs.Capabilities(False, "eager", False, None)  # the safe default
+def test_capabilities_default_is_the_safe_answer() -> None:
+    assert hookspecs.Capabilities() == hookspecs.Capabilities(False, "eager", False, None)
 
 
 def test_device_module_contract_is_documented_attribute_by_attribute() -> None:
-    text = CONTRIBUTING.read_text(encoding="utf-8")
-    match = re.search(r"^### The device-module contract$(.*?)(?=^### |^## )", text, re.M | re.S)
-    assert match, "CONTRIBUTING.md needs a '### The device-module contract' section"
+    text = (ROOT / "docs" / "backends" / "writing.md").read_text(encoding="utf-8")
+    match = re.search(r"^## The device-module contract$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, "docs/backends/writing.md needs a '## The device-module contract' section"
     table = match.group(1)
     for attr in (*hookspecs.DEVICE_MODULE_REQUIRED, *hookspecs.DEVICE_MODULE_EXPECTED):
         assert f"`{attr}(" in table, f"the device-module contract does not document {attr}"
@@ -318,45 +221,16 @@ def test_device_module_contract_is_documented_attribute_by_attribute() -> None:
         assert phrase in table, phrase
 
 
-def test_probe_result_fields_are_documented_in_spec_and_reference() -> None:
-    fields = [(f.name, annotation_text(f.type)) for f in dataclasses.fields(hookspecs.ProbeResult)]
-    source = inspect.getsource(hookspecs.ProbeResult)
-    undocumented = [n for n, _ in fields if not re.search(rf"#:.*\n(?:\s*#:.*\n)*\s*{n}:", source)]
-    assert not undocumented, f"ProbeResult fields without a '#:' comment in spec.py: {undocumented}"
-    entry = hook_reference_blocks(CONTRIBUTING.read_text(encoding="utf-8"))["magi_probe"]
-    returns = entry_bullets(entry)["Returns"]
-    assert documented_items(returns.items) == fields, \
-        "CONTRIBUTING.md's magi_probe 'Returns' bullet must list ProbeResult's fields as `name` (`type`): ..."
+def test_field_docstrings_reads_the_string_under_each_field() -> None:
+    @dataclasses.dataclass
+    class Probe:
+        a: int
+        """the a"""
+        b: int = 0
+        c: str = ""
+        """the c"""
 
-
-def test_reference_checker_catches_each_kind_of_drift() -> None:
-    fn = hookspec_functions()["magi_host_register"]
-    assert callable(fn)
-    good = (
-        "- Signature: `magi_host_register(ptr: int, nbytes: int) -> None`\n- Required: yes.\n"
-        "- Added in: spec 1.0.\n- Parameters:\n  - `ptr` (`int`): address\n  - `nbytes` (`int`): bytes,\n"
-        "    continued\n- Returns: None.\n- Called: when pinning.\n- Semantics: pin.\n"
-    )
-    assert reference_problems("magi_host_register", fn, good, required=True) == []
-    drifts = {
-        "Signature": good.replace("nbytes: int) -> None", "size: int) -> None"),
-        "Parameters": good.replace("`nbytes` (`int`)", "`size` (`int`)"),
-        "Required": good.replace("Required: yes.", "Required: no. Default: no-op."),
-        "Added in": good.replace("spec 1.0.", "spec 1.1."),
-        "Called": good.replace("- Called: when pinning.\n", ""),
-    }
-    for field, text in drifts.items():
-        problems = reference_problems("magi_host_register", fn, text, required=True)
-        assert any(field in p for p in problems), (field, problems)
-    pop = hookspec_functions()["magi_range_pop"]
-    assert callable(pop)
-    lean = good.replace("magi_host_register(ptr: int, nbytes: int)", "magi_range_pop()").replace(
-        "- Parameters:\n  - `ptr` (`int`): address\n  - `nbytes` (`int`): bytes,\n    continued\n",
-        "- Parameters: none.\n")
-    optional = lean.replace("Required: yes.", "Required: no. Default: no-op.")
-    assert reference_problems("magi_range_pop", pop, optional, required=False) == []
-    wrong_default = lean.replace("Required: yes.", "Required: no. Default: `(\"to\",)`.")
-    assert any("Default" in p for p in reference_problems("magi_range_pop", pop, wrong_default, required=False))
+    assert field_docstrings(Probe) == {"a": "the a", "c": "the c"}
 
 
 # -- packages install the right thing --------------------------------------------------------------------------
@@ -389,10 +263,10 @@ def test_backends_require_the_magi_core_line_of_their_spec_major_only() -> None:
     assert magi_core.__version__.startswith("0.1.") and hookspecs.HOOKSPEC_VERSION.split(".")[0] == "1"
 
 
-def test_readme_says_how_to_install_until_the_name_is_settled() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(r"^## Install$(.*?)(?=^## )", readme, re.M | re.S)
-    assert match, "README.md needs an '## Install' section"
+def test_install_page_says_how_to_install_until_the_name_is_settled() -> None:
+    page = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    match = re.search(r"^## Install$(.*?)(?=^## )", page, re.M | re.S)
+    assert match, "docs/index.md needs an '## Install' section"
     text = " ".join(match.group(1).split())
     assert "unrelated project" in text and "magi-core>=0.1,<0.2" in text and "python -m build --wheel" in text
 

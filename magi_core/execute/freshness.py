@@ -12,7 +12,7 @@ the last unit) must be redone when the host weight changed in between. A weight 
   elements spread evenly over the tensor's span (first and last included), gathered for all weights of
   one host storage (one arena) with one ``take``: dense edits are always seen; a partial edit through
   ``.data`` (rows, pruning, clipping) usually falls between samples, and is seen only after
-  ``magi_core.handle(model).weights_changed()`` (the README says so).
+  ``magi_core.handle(model).weights_changed()`` (the user guide, "Changing weights after offload", says so).
 """
 
 from __future__ import annotations

@@ -50,61 +50,69 @@ class HostOptions:
     mean"). Byte sizes also take sizes such as ``"1GiB"``; integral floats (``4.0``) count as integers.
     """
 
-    #: Expert-parallel size, a hint: > 1 says the ranks' weights are expected to differ (no warning when tensors
-    #: differ; tensors whose provenance differs are not compared). Sharing is decided per tensor by content either
-    #: way. None: ``MAGI_EP_SIZE``, then launcher variables, else 1.
     ep_size: int | None = None
-    #: Keep plain host tensors, no shared memory and no pinning. None: ``MAGI_SKIP_SHM``, else False.
+    """Expert-parallel size, a hint: > 1 says the ranks' weights are expected to differ (no warning when tensors
+    differ; tensors whose provenance differs are not compared). Sharing is decided per tensor by content either
+    way. None: ``MAGI_EP_SIZE``, then launcher variables, else 1.
+    """
     skip_shm: bool | None = None
-    #: Pin (register in place) the mappings through the backend. An arena only this rank maps is pinned in pieces
-    #: while it is filled (:class:`magi_core.host.pinning.PinAhead`), the rest after filling.
+    """Keep plain host tensors, no shared memory and no pinning. None: ``MAGI_SKIP_SHM``, else False."""
     pin: bool = True
-    #: Ranks of a node pinning at once. None: ``MAGI_PIN_CONCURRENCY``, else host memory / 2 / per-rank bytes.
+    """Pin (register in place) the mappings through the backend. An arena only this rank maps is pinned in pieces
+    while it is filled (:class:`magi_core.host.pinning.PinAhead`), the rest after filling.
+    """
     pin_concurrency: int | None = None
-    #: Pin at most this many bytes per rank (first bytes of the arenas, after filling: a budget turns pinning while
-    #: filling off). None: ``MAGI_PIN_BUDGET_GB``, else all.
+    """Ranks of a node pinning at once. None: ``MAGI_PIN_CONCURRENCY``, else host memory / 2 / per-rank bytes."""
     pin_budget_bytes: int | None = None
-    #: Directory of the shared-memory files. None: ``MAGI_SHM_DIR``, else ``/dev/shm``.
+    """Pin at most this many bytes per rank (first bytes of the arenas, after filling: a budget turns pinning while
+    filling off). None: ``MAGI_PIN_BUDGET_GB``, else all.
+    """
     shm_dir: str | None = None
-    #: Show tqdm progress bars. None: only when stderr is a terminal.
+    """Directory of the shared-memory files. None: ``MAGI_SHM_DIR``, else ``/dev/shm``."""
     progress: bool | None = None
-    #: A tensor that differs between ranks of a node: "copy" (default) gives each differing rank its own copy of it
-    #: and shares every identical tensor once (host memory per node = bytes of distinct tensors; a warning names
-    #: them when the EP size is 1); "error" raises :class:`WeightMismatchError` on every rank naming them, for jobs
-    #: whose ranks must hold the same weights. "per_rank" is the older name of "copy".
+    """Show tqdm progress bars. None: only when stderr is a terminal."""
     on_mismatch: MismatchPolicy = "copy"
-    #: How ranks sharing a file prove they hold the same weights. "full": every rank that maps another rank's
-    #: file compares all of its own bytes with the file's before using it (memory speed; see README "Sharing
-    #: across ranks"). "sampled": only the sampled fingerprint (misses sparse differences; for when the
-    #: weights are known to be identical, e.g. loaded from one checkpoint).
+    """A tensor that differs between ranks of a node: "copy" (default) gives each differing rank its own copy of it
+    and shares every identical tensor once (host memory per node = bytes of distinct tensors; a warning names
+    them when the EP size is 1); "error" raises :class:`WeightMismatchError` on every rank naming them, for jobs
+    whose ranks must hold the same weights. "per_rank" is another name of "copy".
+    """
     verify_shared: VerifyMode = "full"
-    #: What an in-place write (``param.add_``, ``load_state_dict``, a buffer update) does to weights in a file
-    #: shared by several ranks; it never reaches another rank. "read_only" (default): the mapping is made
-    #: read-only once written, checked and pinned: one copy per node even when pinned (what sharing is for:
-    #: a model that fits the host once, not once per rank), but a write kills the writing process with SIGSEGV
-    #: and a Python traceback (torch cannot turn it into an exception; the log says so at set-up).
-    #: "copy_on_write": the mapping is private, the write changes this rank's pages only (edits after offload
-    #: keep working); but registering such a mapping with CUDA copies every page (measured on an H200), so with
-    #: a device pinning it each rank holds its own copy (a warning says so). Files used by one rank only
-    #: (EP > 1, one process) stay writable either way.
+    """How ranks sharing a file prove they hold the same weights. "full": every rank that maps another rank's
+    file compares all of its own bytes with the file's before using it (memory speed; see the user guide,
+    "Several GPUs and ranks"). "sampled": only the sampled fingerprint (misses sparse differences; for when the
+    weights are known to be identical, e.g. loaded from one checkpoint).
+    """
     shared_writes: SharedWrites = "read_only"
-    #: Elements sampled per tensor for the cross-rank fingerprint (a fast pre-check before any file is written).
+    """What an in-place write (``param.add_``, ``load_state_dict``, a buffer update) does to weights in a file
+    shared by several ranks; it never reaches another rank. "read_only" (default): the mapping is made
+    read-only once written, checked and pinned: one copy per node even when pinned (what sharing is for:
+    a model that fits the host once, not once per rank), but a write kills the writing process with SIGSEGV
+    and a Python traceback (torch cannot turn it into an exception; the log says so at set-up).
+    "copy_on_write": the mapping is private, the write changes this rank's pages only (edits after offload
+    keep working); but registering such a mapping with CUDA copies every page (CUDA registers for writing), so with
+    a device pinning it each rank holds its own copy (a warning says so). Files used by one rank only
+    (EP > 1, one process) stay writable either way.
+    """
     fingerprint_samples: int = 64
-    #: Byte alignment of every tensor inside an arena.
+    """Elements sampled per tensor for the cross-rank fingerprint (a fast pre-check before any file is written)."""
     alignment: int = 256
-    #: Loading from a weight source: the most anonymous memory used to read and convert tensors (one reused buffer;
-    #: a tensor whose dtype matches the model's is read straight into the arena). None: 4% of the weight bytes
-    #: (loading adds at most 5% in all), at least 4 KiB and at most 64 MiB.
+    """Byte alignment of every tensor inside an arena."""
     staging_bytes: int | None = None
-    #: Loading from files: threads reading at once on each rank (each with its share of the staging window), into
-    #: the arena's mapping. None: the host's cores divided among the node's ranks, at most 8 (one thread copying
-    #: file ranges in the kernel reached 0.64x of the page-cache read rate on the H200 host, 8 threads 1.56x).
-    #: A function source is called from one thread unless it is a ``CallableSource(..., thread_safe=True)``.
+    """Loading from a weight source: the most anonymous memory used to read and convert tensors (one reused buffer;
+    a tensor whose dtype matches the model's is read straight into the arena). None: 4% of the weight bytes
+    (loading adds at most 5% in all), at least 4 KiB and at most 64 MiB.
+    """
     load_threads: int | None = None
-    #: Remove files of crashed runs (owner gone: its lock is free) from the shm directory before creating ours.
+    """Loading from files: threads reading at once on each rank (each with its share of the staging window), into
+    the arena's mapping. None: the host's cores divided among the node's ranks, at most 8 (several threads read a
+    large checkpoint faster than one thread copying file ranges in the kernel).
+    A function source is called from one thread unless it is a ``CallableSource(..., thread_safe=True)``.
+    """
     cleanup_stale: bool = True
-    #: TEST ONLY: ignore the EP size and every check and share one file anyway (the old, corrupting way).
+    """Remove files of crashed runs (owner gone: its lock is free) from the shm directory before creating ours."""
     _unsafe_share_across_ranks: bool = False
+    """TEST ONLY: ignore the EP size and every check and share one file anyway (corrupts ranks whose weights differ)."""
 
     def __post_init__(self) -> None:
         _normalise(self)

@@ -35,13 +35,13 @@ if TYPE_CHECKING:
     from types import ModuleType
 
 PROJECT = "magi"
-#: The entry-point group backends register under; the entry point's name is the backend's name.
 ENTRY_POINT_GROUP = "magi.backends"
-#: Version of this hook specification (major.minor). Backends list the majors they support. 1.1 added the
-#: optional :func:`magi_capabilities`; 1.2 the optional :func:`magi_device_memory` and
-#: :func:`magi_limit_device_memory`.
+"""The entry-point group backends register under; the entry point's name is the backend's name."""
 HOOKSPEC_VERSION = "1.2"
-#: Hooks a backend must implement; the rest are optional with documented defaults.
+"""Version of this hook specification (major.minor). Backends list the majors they support. 1.1 added the
+optional :func:`magi_capabilities`; 1.2 the optional :func:`magi_device_memory` and
+:func:`magi_limit_device_memory`.
+"""
 REQUIRED_HOOKS = (
     "magi_probe",
     "magi_hookspec_versions",
@@ -49,18 +49,17 @@ REQUIRED_HOOKS = (
     "magi_host_register",
     "magi_host_unregister",
 )
+"""Hooks a backend must implement; the rest are optional with documented defaults."""
 
-#: The values ``OffloadConfig.unit_compiler`` resolves to (``"auto"`` becomes one of them).
 UNIT_COMPILERS = ("inductor", "eager")
+"""The values ``OffloadConfig.unit_compiler`` resolves to (``"auto"`` becomes one of them)."""
 
-#: Device-module attributes selection requires: a module lacking one is refused with a
-#: :class:`~magi_core.errors.BackendError` naming it. ``Stream`` must be a ``torch.Stream`` subclass (``Tensor.
-#: record_stream`` accepts nothing else) and ``Event`` must accept ``enable_timing=True``; ``magi backends --check``
-#: and the conformance kit check both.
 DEVICE_MODULE_REQUIRED = ("Stream", "Event", "current_stream", "stream", "synchronize")
-#: Further device-module attributes magi-core calls, each with what uses it. A module lacking one still selects
-#: (backends written before this list keep working) but the use named fails; the conformance kit and
-#: ``magi backends --check`` report each missing one.
+"""Device-module attributes selection requires: a module lacking one is refused with a
+:class:`~magi_core.errors.BackendError` naming it. ``Stream`` must be a ``torch.Stream`` subclass
+(``Tensor.record_stream`` accepts nothing else) and ``Event`` must accept ``enable_timing=True``; ``magi backends --check``
+and the conformance kit check both.
+"""
 DEVICE_MODULE_EXPECTED = {
     "current_device": "Backend.device(): the index of the device offloaded runs use",
     "set_device": "host loading: the thread that pins an arena while it is filled makes the caller's device current "
@@ -74,6 +73,10 @@ DEVICE_MODULE_EXPECTED = {
     "max_memory_reserved": "`magi bench` (peak memory the allocator reserved)",
     "empty_cache": "`magi demo` and `magi bench` (between runs)",
 }
+"""Further device-module attributes magi-core calls, each with what uses it. A module lacking one still selects
+(backends written before this list keep working) but the use named fails; the conformance kit and
+``magi backends --check`` report each missing one.
+"""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
@@ -87,22 +90,27 @@ class ProbeResult:
     .. versionadded:: 1.0
     """
 
-    #: True when the hardware is present and usable by this process (driver loaded, at least one device
-    #: visible). Only available backends can be selected.
     available: bool
-    #: The torch device type string this backend drives (``"cpu"``, ``"musa"``, ...): what
-    #: ``torch.device(device_type)`` accepts and what selection matches against the accelerator torch reports.
+    """True when the hardware is present and usable by this process (driver loaded, at least one device
+    visible). Only available backends can be selected.
+    """
     device_type: str
-    #: Selection rank: among available backends the highest priority wins when neither ``use_backend`` nor
-    #: ``MAGI_BACKEND`` names one; two available backends sharing the top priority are an error. The CPU
-    #: backend uses 0, CUDA and MUSA 100.
+    """The torch device type string this backend drives (``"cpu"``, ``"musa"``, ...): what
+    ``torch.device(device_type)`` accepts and what selection matches against the accelerator torch reports.
+    """
     priority: int
-    #: Version of the backend's runtime or torch extension (e.g. ``torch_musa.__version__``),
-    #: shown by ``magi backends``; a non-empty string (``"none"`` when there is nothing to report).
+    """Selection rank: among available backends the highest priority wins when neither ``use_backend`` nor
+    ``MAGI_BACKEND`` names one; two available backends sharing the top priority are an error. The CPU
+    backend uses 0, CUDA and MUSA 100.
+    """
     version: str
-    #: When ``available`` is False: why, in words a user can act on ("torch_musa is not installed: pip
-    #: install torch_musa"). None when available.
+    """Version of the backend's runtime or torch extension (e.g. ``torch_musa.__version__``),
+    shown by ``magi backends``; a non-empty string (``"none"`` when there is nothing to report).
+    """
     reason: str | None = None
+    """When ``available`` is False: why, in words a user can act on ("torch_musa is not installed: pip
+    install torch_musa"). None when available.
+    """
 
 
 @dataclass(frozen=True)
@@ -118,20 +126,24 @@ class Capabilities:
     .. versionadded:: 1.1
     """
 
-    #: True when torch's Inductor generates code for this device type that runs on its tensors (a codegen
-    #: backend registered for it in ``torch._inductor.codegen.common``, and its compiler, e.g. Triton, installed).
-    #: False makes ``unit_compiler="inductor"`` a ConfigError naming the backend.
     inductor: bool = False
-    #: What ``unit_compiler="auto"`` resolves to: ``"eager"`` (the module's own forward) or ``"inductor"`` (needs
-    #: ``inductor=True``).
+    """True when torch's Inductor generates code for this device type that runs on its tensors (a codegen
+    backend registered for it in ``torch._inductor.codegen.common``, and its compiler, e.g. Triton, installed).
+    False makes ``unit_compiler="inductor"`` a ConfigError naming the backend.
+    """
     default_unit_compiler: str = "eager"
-    #: True when the executor may call a unit's generated Inductor code directly, without the wrapper layers
-    #: (``OffloadConfig.direct_unit_calls``): only where that code was compiled for this device's tensors and its
-    #: call has been checked on the device. Needs ``inductor=True``.
+    """What ``unit_compiler="auto"`` resolves to: ``"eager"`` (the module's own forward) or ``"inductor"`` (needs
+    ``inductor=True``).
+    """
     direct_unit_calls: bool = False
-    #: When ``inductor`` is False: why, in words a user can act on ("Triton is not installed: pip install
-    #: triton"); shown by ``magi backends --check`` and in the ConfigError. None when Inductor is available.
+    """True when the executor may call a unit's generated Inductor code directly, without the wrapper layers
+    (``OffloadConfig.direct_unit_calls``): only where that code was compiled for this device's tensors and its
+    call has been checked on the device. Needs ``inductor=True``.
+    """
     reason: str | None = None
+    """When ``inductor`` is False: why, in words a user can act on ("Triton is not installed: pip install
+    triton"); shown by ``magi backends --check`` and in the ConfigError. None when Inductor is available.
+    """
 
     def __post_init__(self) -> None:
         for name in ("inductor", "direct_unit_calls"):
@@ -161,12 +173,14 @@ class DeviceMemory:
     .. versionadded:: 1.2
     """
 
-    #: Bytes this process can still allocate on the device: the device's free bytes plus what torch's caching
-    #: allocator holds reserved but unused, limited by any cap set on the process (``cap - allocated``).
     free: int
-    #: The capacity this process sees: the device's total memory, or the cap when one is set
-    #: (:func:`magi_limit_device_memory`).
+    """Bytes this process can still allocate on the device: the device's free bytes plus what torch's caching
+    allocator holds reserved but unused, limited by any cap set on the process (``cap - allocated``).
+    """
     total: int
+    """The capacity this process sees: the device's total memory, or the cap when one is set
+    (:func:`magi_limit_device_memory`).
+    """
 
     def __post_init__(self) -> None:
         for name in ("free", "total"):
@@ -226,7 +240,8 @@ def magi_device_module() -> ModuleType:
     the executor creates streams and events when a model is compiled). The facade binds the module as
     ``Backend.device_module``, and core code reaches streams, events and memory statistics only through it.
 
-    Required. The contract (CONTRIBUTING.md, "The device-module contract", says what each attribute must do):
+    Required. The contract (the backend author's guide, ``docs/backends/writing.md``, "The device-module contract",
+    says what each attribute must do):
     :data:`DEVICE_MODULE_REQUIRED` (``Stream``, ``Event``, ``current_stream``, ``stream``, ``synchronize``), or
     selection fails with a :class:`~magi_core.errors.BackendError` naming the missing ones; and
     :data:`DEVICE_MODULE_EXPECTED` (``current_device``, ``is_available``, ``device_count``, ``is_initialized``,
@@ -259,6 +274,9 @@ def magi_host_register(ptr: int, nbytes: int) -> None:
     range (``ptr`` or ``nbytes`` not positive) and any other failure raise
     :class:`~magi_core.errors.HostRegisterError` carrying the runtime's own error text and code.
     Materialisation then stops pinning, logs the error with the memlock limit and leaves the rest pageable.
+    magi-core never issues one copy whose host bytes run across a registered range's bound (CUDA refuses such a
+    copy): the facade records every range registered through it and splits copies there, so a runtime with the same
+    rule needs nothing more.
 
     :param ptr: address of the first byte, a host virtual address as ``Tensor.data_ptr()`` gives it.
     :param nbytes: length of the range in bytes (> 0).

@@ -3,7 +3,7 @@
 The CPU backend returns this module; a backend author can copy it or subclass its classes (import it from
 ``magi_core.plugin.cpu.device``). It implements every attribute of the device-module contract
 (:data:`magi_core.plugin.DEVICE_MODULE_REQUIRED` and :data:`magi_core.plugin.DEVICE_MODULE_EXPECTED`;
-CONTRIBUTING.md, "The device-module contract"), each with the semantics magi-core relies on:
+the backend author's guide, "The device-module contract"), each with the semantics magi-core relies on:
 
 * :class:`Stream` is a ``torch.Stream`` subclass (``Tensor.record_stream`` accepts nothing else), created
   without initialising anything; equal only to itself. ``wait_event``, ``wait_stream``, ``record_event``,
