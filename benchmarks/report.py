@@ -1,6 +1,9 @@
-"""Regenerate docs/BENCHMARKS.md and its PNG plots from benchmark result JSON files.
+"""Write the benchmark tables (Markdown, for reading offline) and their PNG plots from benchmark result JSON files.
 
-python benchmarks/report.py [RESULT.json ...] [--md docs/BENCHMARKS.md]
+The documentation site renders the same tables into its benchmarks page when it is built (docs/_hooks/benchmarks.py)
+and shows the plots this script writes into docs/.
+
+python benchmarks/report.py [RESULT.json ...] [--md build/benchmarks/BENCHMARKS.md] [--plots docs]
 python benchmarks/report.py --merge MERGED.json PART.json PART.json ...
 Without files it uses every JSON under benchmarks/results/ (accelerator runs first, newest first).
 With --merge, the given documents (parts of one grid run by several processes of one machine) are merged
@@ -31,11 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="report.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="*", type=Path, help="result JSON files (default benchmarks/results/*.json)")
-    parser.add_argument("--md", type=Path, default=ROOT / "docs" / "BENCHMARKS.md", help="Markdown file to write")
-    parser.add_argument("--plots", type=Path, default=None, help="folder for the PNG plots (default next to --md)")
+    parser.add_argument("--md", type=Path, default=ROOT / "build" / "benchmarks" / "BENCHMARKS.md",
+                        help="Markdown file to write (default build/benchmarks/BENCHMARKS.md)")
+    parser.add_argument("--plots", type=Path, default=None,
+                        help="folder for the PNG plots (default docs/, where the site shows them, when --md is the "
+                             "default; else next to --md)")
     parser.add_argument("--merge", type=Path, default=None, metavar="MERGED_JSON",
                         help="merge the given result files into this file, then report (see above)")
     args = parser.parse_args(argv)
+    if args.plots is None and "--md" not in (argv if argv is not None else sys.argv[1:]):
+        args.plots = ROOT / "docs"
     if args.merge is not None:
         if not args.results:
             parser.error("--merge needs the result files to merge")

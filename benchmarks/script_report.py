@@ -1,8 +1,8 @@
-"""Sections of ``docs/BENCHMARKS.md`` for the results of the scripts in this folder that are not ``magi bench``
-runs (``report.py`` appends them): two ranks with one host copy (``llama70b_two_gpus.py``), loading a checkpoint
-(``load_rate.py``), expert parallelism (``moe_ep.py``) and time to the first step against the peers' loaders
-(``first_step_vs_peers.py``). Each is recognised by its keys; unknown documents are
-left out."""
+"""Sections of the benchmarks page (``docs/benchmarks.md``, and ``report.py``'s Markdown) for the results of the
+scripts in this folder that are not ``magi bench`` runs (``report.py`` appends them): two ranks with one host copy
+(``llama70b_two_gpus.py``), loading a checkpoint (``load_rate.py``), expert parallelism (``moe_ep.py``) and time to
+the first step against the peers' loaders (``first_step_vs_peers.py``). Each is recognised by its keys; unknown
+documents are left out."""
 
 from __future__ import annotations
 

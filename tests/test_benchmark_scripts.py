@@ -191,7 +191,7 @@ def test_cap_grid_ideal_floor_order_and_time_budget(tmp_path: Path, monkeypatch:
 
 
 def test_cap_grid_report_section_and_plot(tmp_path: Path) -> None:
-    """docs/BENCHMARKS.md gets a table per model (a column per card size); the plot a panel per model."""
+    """The benchmarks page gets a table per model (a column per card size); the plot a panel per model."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from script_report import is_cap_grid_doc, scripts_markdown
 

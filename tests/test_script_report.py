@@ -1,4 +1,4 @@
-"""The sections of docs/BENCHMARKS.md for the scripts' results that are not ``magi bench`` runs: each kind is
+"""The sections of the benchmarks page for the scripts' results that are not ``magi bench`` runs: each kind is
 recognised, rendered from its own figures, and kept out of the bench documents."""
 
 from __future__ import annotations
