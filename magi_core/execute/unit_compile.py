@@ -203,8 +203,8 @@ def direct_call(compiled: Callable[..., Any], args: Sequence[Any], expected: Any
 
     ``compile_fx`` returns the generated code wrapped in several Python layers (Dynamo's disable, AOT
     Autograd's runtime wrapper for input mutations, aliased outputs, grad and autocast modes, effect tokens,
-    RNG state). For a unit that needs none of them they only cost host time: ~47 us per call on the H200
-    host, more than the executor's whole per-unit target. The inner object is found through the wrappers'
+    RNG state). For a unit that needs none of them they only cost host time: tens of microseconds per call,
+    more than the executor's own work per unit. The inner object is found through the wrappers'
     closures (torch internals: None when the structure is not found) and used only when, on this first call:
     no autocast is active, the code mutates no input in place (the wrapped call already applied it once),
     and calling it with the same ``args`` returns the same structure and values as ``compiled`` did

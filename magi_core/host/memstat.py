@@ -35,8 +35,8 @@ def peak_rss_bytes() -> int:
 
 
 def _exact_counters() -> bool:
-    """True on Linux 6.2+, whose per-process RSS counters are per-CPU sums read within a small batch; before,
-    each thread cached up to 64 page events and ``RssAnon`` lagged (the predecessor saw it under-report by ~40%)."""
+    """True on Linux 6.2+, whose per-process RSS counters are per-CPU sums read within a small batch; before 6.2
+    each thread caches up to 64 page events, so ``RssAnon`` lags and under-reports a fast-growing process."""
     try:
         major, minor = (int(x) for x in platform.release().split(".")[:2])
     except ValueError:
@@ -51,7 +51,7 @@ def anonymous_bytes() -> int:
     """Anonymous memory of this process (private heap pages, and pages of private file mappings it wrote; not
     shared memory). On Linux 6.2+ ``RssAnon``, a counter the kernel keeps, so sampling it every millisecond costs
     nothing; else ``smaps_rollup``'s ``Anonymous``, which walks every page table under the mm lock (sampled that
-    often during a 17 GB load on the H200 host it made the load take 7.7 s instead of 4.0 s)."""
+    often during a large load, it slows the load itself severalfold)."""
     if _EXACT_COUNTERS:
         kb = _read_kb("/proc/self/status", ("RssAnon",))
         if "RssAnon" in kb:
@@ -116,8 +116,8 @@ _STATUS_KEYS = ("RssAnon", "RssShmem", "RssFile")
 
 def snapshot() -> dict[str, int]:
     """Process and host memory together, for log lines and reports: the kernel's counters (``RssAnon``,
-    ``RssShmem``, ``RssFile`` of /proc/self/status; reading ``smaps_rollup`` instead walks every page table, 0.19 s
-    with a 12 GiB arena mapped on a 2-core VM) and /proc/meminfo."""
+    ``RssShmem``, ``RssFile`` of /proc/self/status; reading ``smaps_rollup`` instead walks every page table, which
+    takes a noticeable fraction of a second with a large arena mapped) and /proc/meminfo."""
     return {**_read_kb("/proc/self/status", _STATUS_KEYS), **{f"host_{k}": v for k, v in system_memory().items()}}
 
 

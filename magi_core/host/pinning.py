@@ -57,8 +57,7 @@ def cut_between_tensors(n: int, extents: Sequence[tuple[int, int]]) -> int:
     """The largest page-aligned cut <= ``n`` that no tensor (start, end byte offsets) straddles.
 
     A tensor partly in pinned and partly in pageable pages cannot be copied to the device at all (CUDA
-    refuses the copy, blocking or not: cudaErrorInvalidValue, measured on an H200), so a budget never
-    splits one.
+    refuses the copy, blocking or not, with cudaErrorInvalidValue), so a budget never splits one.
     """
     ordered = sorted(extents)
     cut = n // PAGE * PAGE
@@ -166,8 +165,8 @@ class PinAhead:
     (start, end) of every tensor region in it. Each arena is registered in pieces of at least ``group`` bytes
     (default :data:`AHEAD_GROUP`) from its start, each cut between tensors (:func:`cut_after`) and registered
     once every region in it is :meth:`written`: a tensor lies in one registration, and no registered page is
-    written afterwards. On the H200 host a 16 GiB sparse arena read from the page cache by 8 threads and pinned
-    piece by piece meanwhile took 3.3-3.9 s, against 5.0-5.8 s reserved whole, filled, then pinned. A refused
+    written afterwards. Pinning piece by piece while the arena is read from the page cache hides most of the pinning
+    time, which reserving the arena whole, filling it, then pinning it would add to the load. A refused
     registration stops it: the rest is left to :func:`pin_ranges` (which logs the error). The backend's
     register is called from this thread, one call at a time, after ``bind()`` (the caller's device made current
     there: :meth:`Backend.device_binder`).
