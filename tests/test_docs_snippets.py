@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Pages whose python blocks must run: the README, the home page and the user guide.
 PAGES = [ROOT / "README.md", ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 #: The most opted-out blocks allowed over all pages.
-MAX_OPT_OUTS = 8
+MAX_OPT_OUTS = 4
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 NO_RUN = re.compile(r"<!--\s*no-run:\s*(?P<reason>.*?)\s*-->\s*$")
@@ -88,7 +88,7 @@ def test_opt_outs_are_few_and_say_why() -> None:
 def test_every_page_with_code_runs_some() -> None:
     assert python_blocks((ROOT / "README.md").read_text(encoding="utf-8")), "README.md lost its quick start"
     for page in PAGES:
-        for _, source, reason in python_blocks(page.read_text(encoding="utf-8")):
+        for _, source, _reason in python_blocks(page.read_text(encoding="utf-8")):
             assert source.strip(), f"{page.name}: an empty python block"
 
 
@@ -99,3 +99,15 @@ def test_block_extraction_reads_fences_and_opt_outs() -> None:
     assert [(src, reason) for _, src, reason in blocks] == [("x = 1\n", None), ("y = 2\n", "needs CUDA"),
                                                             ("z = 3\n", None)]
     assert blocks[0][0] == 3
+
+
+@pytest.mark.parametrize("doc", ["README.md", "CONTRIBUTING.md"])
+def test_relative_links_resolve(doc: str) -> None:
+    """The files outside the site link into it by path: each target exists (the site's own links are checked by
+    ``mkdocs build --strict``)."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    targets = [t.split("#")[0] for t in links if "://" not in t and not t.startswith("#")]
+    assert targets, f"{doc} links nothing"
+    missing = sorted({t for t in targets if not (ROOT / t).exists()})
+    assert not missing, f"{doc} links files that do not exist: {missing}"
