@@ -111,3 +111,15 @@ def test_relative_links_resolve(doc: str) -> None:
     assert targets, f"{doc} links nothing"
     missing = sorted({t for t in targets if not (ROOT / t).exists()})
     assert not missing, f"{doc} links files that do not exist: {missing}"
+
+
+def test_api_reference_renders_the_public_api() -> None:
+    """Each name of ``magi_core.__all__`` is on the API reference page, rendered from its docstring."""
+    import magi_core
+
+    page = (ROOT / "docs" / "reference" / "api.md").read_text(encoding="utf-8")
+    rendered = set(re.findall(r"^::: magi_core\.(\w+)\s*$", page, re.M))
+    errors = re.search(r"^::: magi_core\.errors\s*$.*?members: \[([^\]]*)\]", page, re.M | re.S)
+    rendered |= {n.strip() for n in errors.group(1).split(",")} if errors else set()
+    missing = sorted(set(magi_core.__all__) - rendered - {"__version__"})
+    assert not missing, f"add '::: magi_core.NAME' to docs/reference/api.md for: {missing}"
