@@ -18,7 +18,7 @@ from torch import nn
 
 import magi_core
 from magi_core.compile.exchange import host_identity
-from magi_core.host import shm
+from magi_core.host import fork
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -86,7 +86,7 @@ def test_a_forked_childs_write_stays_in_the_child(shm_dir: str) -> None:
     del model
     torch._dynamo.reset()  # compiled code holds the weights until then
     gc.collect()
-    assert hw.unmapped() and shm.fork_tracked() == 0 and _fd_count() == fds  # the kept descriptors are closed too
+    assert hw.unmapped() and fork.fork_tracked() == 0 and _fd_count() == fds  # the kept descriptors are closed too
 
 
 def _worker(model: Net, queue: Any) -> None:

@@ -105,15 +105,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "f1", "materialize: a reader rank skips its full check of the shared file (every byte)",
-        "magi_core/host/materialize.py",
-        "differing = self._verify(hw, arenas, total)",
+        "magi_core/host/materialize/file_round.py",
+        "differing = self._verify(arenas, total)",
         "differing = []",
         (("core", ("tests/test_host_distributed.py",)),),
     ),
     Mutation(
         "f2", "materialize: a reader rank skips its sampled check of the shared file (verify_shared='sampled')",
-        "magi_core/host/materialize.py",
-        "self._check_sampled(hw, arenas, own_fps)",
+        "magi_core/host/materialize/file_round.py",
+        "self._check_sampled(arenas, own_fps)",
         "pass",
         (("core", ("tests/test_host_distributed.py",)),),
     ),
@@ -180,9 +180,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "l", "pinning while filling: the pinning thread registers without making the caller's device current "
         "(CUDA registers for the current context: a rank on device 1 would pin for, and open a context on, "
         "device 0)",
-        "magi_core/host/materialize.py",
-        "            for a in mine], rank=self.rank, bind=bind)\n",
-        "            for a in mine], rank=self.rank, bind=None)\n",
+        "magi_core/host/materialize/file_round.py",
+        "            for a in mine], rank=call.rank, bind=bind)\n",
+        "            for a in mine], rank=call.rank, bind=None)\n",
         (("core", ("tests/test_host_pin_ahead.py",)),),
     ),
     Mutation(
@@ -196,7 +196,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "n", "load: a slot converted to the model's dtype counts as read in place, so its pages are not allocated "
         "first and a full filesystem meets its stores through the mapping (SIGBUS instead of ShmSpaceError)",
-        "magi_core/host/loading/sources.py",
+        "magi_core/host/loading/safetensors_source.py",
         "        return e is not None and e.info.dtype == dtype\n",
         "        return e is not None\n",
         (("core", ("tests/test_host_shm.py",)),),
@@ -220,7 +220,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "q", "materialize: a problem of one rank's model is raised on that rank at once, before the first gather, "
         "so the other ranks wait in it until the process group's timeout",
-        "magi_core/host/materialize.py",
+        "magi_core/host/materialize/orchestrate.py",
         "        except MagiError as exc:\n            state_err, entries = exc, []\n",
         "        except MagiError:\n            raise\n",
         (("core", ("tests/test_host_distributed.py::test_a_problem_of_one_ranks_model_raises_on_every_rank",)),),
@@ -303,14 +303,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "aa", "fork: a forked child keeps the parent's writable shared mappings, so its in-place writes change the "
         "parent's weights",
-        "magi_core/host/shm.py",
+        "magi_core/host/fork.py",
         "    if not entries:\n        return\n",
         "    if True:\n        return\n",
         (("core", ("tests/test_host_fork.py",)),),
     ),
     Mutation(
         "ab", "safetensors: overlapping byte ranges in a header are accepted, so one tensor loads another's bytes",
-        "magi_core/host/loading/sources.py",
+        "magi_core/host/loading/safetensors_source.py",
         "        if begin < pos:\n",
         "        if False:\n",
         (("core", ("tests/test_host_source_checks.py",)),),
@@ -318,7 +318,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ac", "materialize: a rank whose weight source cannot be opened raises at once, before the first gather, so "
         "the other ranks wait in it until the process group's timeout",
-        "magi_core/host/materialize.py",
+        "magi_core/host/materialize/orchestrate.py",
         "        except (MagiError, OSError, TypeError, ValueError) as exc:\n            setup = exc\n",
         "        except (MagiError, OSError, TypeError, ValueError):\n            raise\n",
         (("core", ("tests/test_host_setup_errors.py",)),),

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from magi_core.host.loading.sources import Staging, WeightSource
+from magi_core.host.loading.base import Staging, WeightSource
 
 logger = logging.getLogger(__name__)
 

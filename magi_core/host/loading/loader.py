@@ -13,14 +13,14 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
 from magi_core.host.arena import Entry, Slot, contiguous_stride
 from magi_core.host.loading import buffers
-from magi_core.host.loading.sources import MissingTensor, ShapeMismatch, Staging, WeightSource
+from magi_core.host.loading.base import MissingTensor, ShapeMismatch, Staging, WeightSource
 from magi_core.host.topology import Claim
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,9 @@ def _show(names: list[str], n: int = 8) -> str:
 
 class Loader:
     """Where each tensor of a model comes from, and the writing of it (see the module docstring)."""
+
+    #: True: the slots it owns are read from a weight source (:class:`NoSource` says False).
+    from_source = True
 
     def __init__(self, source: WeightSource, *, strict: bool = True, rename: Rename | None = None) -> None:
         self.source = source
@@ -333,3 +336,71 @@ class Loader:
         """Close the source's files and free the staging buffer."""
         self.source.close()
         self.staging.release()
+
+
+class NoSource:
+    """The loader of a materialisation without a weight source: every slot keeps the model's own values.
+
+    It owns no slot, so its per-slot methods are never called (they raise); the calls made around loading do
+    nothing. It stands in for :class:`Loader`, so the materialiser never asks whether it has one.
+    """
+
+    from_source = False
+    parallel = False
+    seconds = 0.0
+    threads = 1
+
+    def resolve_buffers(self, model: nn.Module) -> None:
+        """Nothing to resolve: the model's buffers are its own."""
+
+    def set_window(self, weight_bytes: int, explicit: int | None) -> None:
+        """No staging buffer."""
+
+    def match(self, slots: list[Slot], entries: list[Entry]) -> None:
+        """Nothing to match."""
+
+    def problems(self) -> str | None:
+        """No source, no problem with it."""
+        return None
+
+    def late_problems(self) -> str | None:
+        """No source, no problem with it."""
+        return None
+
+    def owns(self, slot: Slot) -> bool:
+        """False: every slot's values come from the model."""
+        return False
+
+    def _never(self, slot: Slot) -> NoReturn:
+        raise AssertionError(f"no weight source: slot {slot.signature()} is not read from one")
+
+    def claim(self, slot: Slot) -> Claim:
+        """Never called (owns no slot)."""
+        self._never(slot)
+
+    def reads_in_place(self, slot: Slot) -> bool:
+        """Never called (owns no slot)."""
+        self._never(slot)
+
+    def thread_staging(self, threads: int) -> Staging:
+        """Never called (not :attr:`parallel`)."""
+        raise AssertionError("no weight source: nothing is read in threads")
+
+    def fill(self, slot: Slot, buf: torch.Tensor, base: int, fd: int | None = None,
+             staging: Staging | None = None) -> int:
+        """Never called (owns no slot)."""
+        self._never(slot)
+
+    def matches(self, slot: Slot, buf: torch.Tensor, base: int) -> bool:
+        """Never called (owns no slot)."""
+        self._never(slot)
+
+    def undo(self) -> None:
+        """Nothing was replaced."""
+
+    def report(self) -> dict[str, Any]:
+        """Nothing was read."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to close."""
