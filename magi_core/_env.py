@@ -18,10 +18,10 @@ import logging
 import math
 import os
 import re
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
+from magi_core._once import first_time
 from magi_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,6 @@ KNOWN_VARIABLES: set[str] = {
     "MAGI_SESSION_INSTALLED",  # benchmarks/device_session.sh (exported to the runs it starts)
 }
 _warned_names: set[str] = set()
-_warn_lock = threading.Lock()
 
 
 def register_env_names(names: Iterable[str]) -> None:
@@ -230,10 +229,8 @@ def warn_unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
     """
     messages = []
     for name in unknown_env_names(environ):
-        with _warn_lock:
-            if name in _warned_names:
-                continue
-            _warned_names.add(name)
+        if not first_time(_warned_names, name):
+            continue
         near = closest_env_name(name)
         if near is None and not name.startswith(OFFLOAD_PREFIX):
             logger.debug("%s is not a magi-core variable; ignored", name)

@@ -34,6 +34,8 @@ from collections.abc import Iterable
 
 import torch
 
+from magi_core._once import first_time
+
 logger = logging.getLogger(__name__)
 
 #: Where Dynamo traces the model: its weights (and inputs, or their proxies) are host tensors.
@@ -192,9 +194,8 @@ def warn_device_branches(codes: Iterable[types.CodeType] | None = None, target: 
         if key in _warned:
             continue
         reasons = device_branch_reasons(code, target)
-        if not reasons:
+        if not reasons or not first_time(_warned, key):
             continue
-        _warned.add(key)
         msg = (
             f"{code.co_name} ({code.co_filename}:{code.co_firstlineno}) {'; '.join(reasons)}. The magi offload "
             "backend traces with weights on the host, so a device-type branch took its host path for good; "

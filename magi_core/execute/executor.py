@@ -101,10 +101,9 @@ def _drop_carry(ref: weakref.ref[OffloadExecutor]) -> None:
 
 @dataclass
 class StepStats:
-    """Counters of the executor (cumulative): steps and weight copies issued (streamed and resident)."""
+    """Counters of the executor (cumulative): steps run and, while measured, host waits."""
 
     steps: int = 0
-    streamed_copies: int = 0
     #: ns the host blocked on the host-lead limit (counted only while ``measure_host_waits`` is set).
     host_wait_ns: int = 0
 
@@ -379,4 +378,3 @@ class OffloadExecutor:
                 env[w] = None
             for s in lay.drop_after:
                 env[s] = None
-        self.stats.streamed_copies = self.transfer.copies

@@ -297,8 +297,3 @@ def fingerprint(t: torch.Tensor, samples: int) -> int:
         vals = flat.detach()[coords].to("cpu").contiguous()
         h.update(vals.view(torch.uint8).numpy().tobytes())
     return int.from_bytes(h.digest(), "little")
-
-
-def fingerprints(entries: list[Entry], samples: int) -> list[int]:
-    """:func:`fingerprint` of every entry, in order."""
-    return [fingerprint(e.tensor, samples) for e in entries]

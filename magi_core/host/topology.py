@@ -83,11 +83,6 @@ class Topology:
         """Number of ranks on this node."""
         return len(self.node_ranks)
 
-    @property
-    def node_leader(self) -> int:
-        """Lowest global rank of this node."""
-        return self.node_ranks[0]
-
 
 def node_key(shm_dir: str) -> tuple[str, int, int, int]:
     """What two ranks must share to open one file: host name, shm dir device and inode, uid."""

@@ -21,6 +21,7 @@ import pluggy
 import torch
 
 from magi_core._env import FALSE_WORDS, TRUE_WORDS, env_str, warn_unknown_env
+from magi_core._once import first_time
 from magi_core.errors import BackendError
 from magi_core.plugin import spec as hookspecs
 from magi_core.plugin.facade import Backend
@@ -46,8 +47,6 @@ OPTIONAL_HOOKS = ("magi_range_push", "magi_range_pop", "magi_to_method_aliases",
 ALL_HOOKS = REQUIRED_HOOKS + OPTIONAL_HOOKS
 #: Attributes the device module must have (torch-style device module): selection fails without them.
 DEVICE_MODULE_ATTRS = DEVICE_MODULE_REQUIRED
-#: How a backend was selected.
-SELECTED_BY = ("explicit", "env", "probe")
 
 
 def package_hint(device_type: str) -> str:
@@ -72,8 +71,7 @@ def tracing_enabled() -> bool:
     raw = env_str(ENV_TRACE)
     if raw is None or raw.lower() in FALSE_WORDS:
         return False
-    if raw.lower() not in TRUE_WORDS and raw not in _trace_warned:
-        _trace_warned.add(raw)
+    if raw.lower() not in TRUE_WORDS and first_time(_trace_warned, raw):
         logger.warning("%s=%r is not a boolean; tracing hook calls anyway (use %s to enable, %s to disable)",
                        ENV_TRACE, raw, "/".join(TRUE_WORDS), "/".join(FALSE_WORDS))
     return True

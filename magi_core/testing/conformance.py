@@ -37,8 +37,6 @@ from magi_core.plugin.check import check_device_module
 from magi_core.plugin.facade import Backend
 from magi_core.plugin.manager import BackendRecord
 from magi_core.plugin.spec import (
-    DEVICE_MODULE_EXPECTED,
-    DEVICE_MODULE_REQUIRED,
     HOOKSPEC_VERSION,
     REQUIRED_HOOKS,
     UNIT_COMPILERS,
@@ -47,9 +45,6 @@ from magi_core.plugin.spec import (
     ProbeResult,
 )
 from magi_core.testing.capabilities import allocation_problem
-
-#: Attributes a torch-style device module must offer (the device-module contract).
-DEVICE_MODULE_API = (*DEVICE_MODULE_REQUIRED, *DEVICE_MODULE_EXPECTED)
 
 
 def _host_tensor(n: int = 4096, seed: float = 0.0) -> torch.Tensor:
