@@ -13,12 +13,13 @@ a warning naming the closest valid one.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, ClassVar
@@ -84,13 +85,43 @@ def normalize_policy(value: Policy | str) -> Policy | str:
     return Policy[name] if name in Policy.__members__ else name
 
 
+def _check_policy_name(policy: Policy | str) -> None:
+    """Refuse a policy name no scheduler answers to (:class:`ConfigError` with a did-you-mean).
+
+    Built-in names never look further; another name is looked up among the policies registered now
+    (:func:`magi_core.plan.register_policy` and the ``magi.policies`` entry points), so a plugin policy must be
+    registered before a config naming it is built.
+    """
+    if isinstance(policy, Policy):
+        return
+    from magi_core.plan.registry import known_policies  # the registry imports this module
+
+    known = known_policies()
+    if policy in known:
+        return
+    raise ConfigError(
+        f"unknown offload policy {policy!r} (OffloadConfig.policy){did_you_mean(policy, known)}; known policies: "
+        f"{', '.join(known)}. A plugin policy must be registered first: magi_core.plan.register_policy("
+        f"{policy.lower()!r}, SchedulerClass) or an entry point in the 'magi.policies' group"
+    )
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'X'?)"`` for the choice closest to ``value`` (any case), or ``""`` when none is close."""
+    pool = {str(c).lower(): str(c) for c in choices}
+    hit = difflib.get_close_matches(value.strip().lower(), list(pool), n=1, cutoff=0.6)
+    return f" (did you mean {pool[hit[0]]!r}?)" if hit else ""
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Settings of the offload runtime; every field is validated on construction (:class:`ConfigError`).
 
     ``policy``: BASE (look-ahead prefetch), COST_EFFECTIVE (keep the least-compute-per-byte units resident)
     or HEURISTIC (latest copy triggers from profiled times; residency where it removes the most stall),
-    or the name of a plugin policy; any case. With neither ``gpu_resident_weight_ratio`` nor
+    or the name of a plugin policy registered before the config is built; any case. A name no scheduler
+    answers to, and a value outside a closed set (``unit_compiler``, ``transfer``, ``exchange``), is refused
+    here with a did-you-mean. With neither ``gpu_resident_weight_ratio`` nor
     ``device_memory_budget_bytes`` set (the default) the plan fits the card: the fastest plan within what the
     device can spare when planning (free memory less the activation peak measured in warm-up and a reserve,
     :data:`DEVICE_RESERVE_BYTES` plus :data:`DEVICE_RESERVE_SHARE` of the device), holding the least memory that
@@ -110,7 +141,9 @@ class OffloadConfig:
     for the device, e.g. CUDA; eager on the CPU backend and on devices Inductor cannot compile for), "inductor"
     or "eager" (see :meth:`magi_core.plugin.facade.Backend.resolve_unit_compiler`).
     ``warmup_calls`` >= 0: calls before the static plan is built (the first runs a simple look-ahead, the
-    second profiles). ``max_unit_bytes``: split units whose weights exceed this many bytes, and merge consecutive
+    second profiles). Byte sizes (``max_unit_bytes``, ``bandwidth_probe_bytes``, ``device_memory_budget_bytes``)
+    take an int or a size such as ``"512MiB"`` or ``"2GB"``, parsed as the environment's are.
+    ``max_unit_bytes``: split units whose weights exceed this many bytes, and merge consecutive
     blocks up to it (None: automatic, the largest block's weight bytes, or 256 MiB in a graph without repeated
     blocks; see :mod:`magi_core.passes.split`).
     ``bandwidth_probe_bytes``: size of the H2D bandwidth probe (None: 1 GiB on accelerators, 16 MiB on CPU).
@@ -142,8 +175,8 @@ class OffloadConfig:
     lookahead: int = 1
     unit_compiler: str = "auto"
     warmup_calls: int = 2
-    max_unit_bytes: int | None = None
-    bandwidth_probe_bytes: int | None = None
+    max_unit_bytes: int | str | None = None
+    bandwidth_probe_bytes: int | str | None = None
     direct_unit_calls: bool = True
     transfer: str = "auto"
     exchange: str = "off"
@@ -179,31 +212,31 @@ class OffloadConfig:
         set_(self, "lookahead", _int("lookahead", self.lookahead))
         if self.lookahead < 1:
             raise _range("lookahead", self.lookahead, ">= 1")
-        if not isinstance(self.unit_compiler, str) or self.unit_compiler.strip().lower() not in UNIT_COMPILERS:
-            raise _range("unit_compiler", self.unit_compiler, " / ".join(repr(c) for c in UNIT_COMPILERS))
-        set_(self, "unit_compiler", self.unit_compiler.strip().lower())
+        set_(self, "unit_compiler", _choice("unit_compiler", self.unit_compiler, UNIT_COMPILERS))
         set_(self, "warmup_calls", _int("warmup_calls", self.warmup_calls))
         if self.warmup_calls < 0:
             raise _range("warmup_calls", self.warmup_calls, ">= 0")
         for name in ("max_unit_bytes", "bandwidth_probe_bytes"):
-            value = _opt_int(name, getattr(self, name))
+            value = _opt_bytes(name, getattr(self, name))
             if value is not None and value <= 0:
                 raise _range(name, value, "> 0 bytes, or None")
             set_(self, name, value)
         if not isinstance(self.direct_unit_calls, bool):
             raise _range("direct_unit_calls", self.direct_unit_calls, "True or False")
-        if not isinstance(self.transfer, str) or self.transfer.strip().lower() not in TRANSFERS:
-            raise _range("transfer", self.transfer, " / ".join(repr(c) for c in TRANSFERS))
-        set_(self, "transfer", self.transfer.strip().lower())
-        if not isinstance(self.exchange, str) or self.exchange.strip().lower() not in EXCHANGES:
-            raise _range("exchange", self.exchange, " / ".join(repr(c) for c in EXCHANGES))
-        set_(self, "exchange", self.exchange.strip().lower())
+        set_(self, "transfer", _choice("transfer", self.transfer, TRANSFERS))
+        set_(self, "exchange", _choice("exchange", self.exchange, EXCHANGES))
+        _check_policy_name(self.policy)  # last: the registry is asked only about an otherwise valid config
 
     # -- derived values -----------------------------------------------------------------------------
     @property
     def fits_card(self) -> bool:
         """True when the plan's device budget is what the device can spare (neither a ratio nor bytes given)."""
         return self.gpu_resident_weight_ratio is None and self.device_memory_budget_bytes is None
+
+    @property
+    def unit_bytes_cap(self) -> int | None:
+        """``max_unit_bytes`` in bytes (a size given as text is parsed on construction); None: automatic."""
+        return None if self.max_unit_bytes is None else int(self.max_unit_bytes)
 
     @property
     def resident_ratio(self) -> float:
@@ -228,7 +261,7 @@ class OffloadConfig:
     def probe_bytes(self, is_accelerator: bool) -> int:
         """Size of the bandwidth probe: ``bandwidth_probe_bytes`` or the default for the backend kind."""
         if self.bandwidth_probe_bytes is not None:
-            return self.bandwidth_probe_bytes
+            return int(self.bandwidth_probe_bytes)  # already bytes: sizes are parsed on construction
         return DEFAULT_PROBE_BYTES_ACCELERATOR if is_accelerator else DEFAULT_PROBE_BYTES_CPU
 
     def to_dict(self) -> dict[str, Any]:
@@ -451,8 +484,8 @@ def _budget(value: Any) -> int | str | None:
             value = parse_bytes(text)
         except ValueError as exc:
             raise ConfigError(
-                f"OffloadConfig.{name}={value!r} is invalid: {exc}; valid: bytes ('12GiB', 12884901888), a share of "
-                "the device's memory ('80%'), or 'auto'"
+                f"OffloadConfig.{name}={value!r} is invalid: {exc}{did_you_mean(text, ('auto',))}; valid: bytes "
+                "('12GiB', 12884901888), a share of the device's memory ('80%'), or 'auto'"
             ) from None
     budget = _opt_int(name, value)
     if budget is not None and budget <= 0:
@@ -462,3 +495,26 @@ def _budget(value: Any) -> int | str | None:
 
 def _opt_int(name: str, value: Any) -> int | None:
     return None if value is None else _int(name, value)
+
+
+def _opt_bytes(name: str, value: Any) -> int | None:
+    """A byte-size field: None, an int, or a size such as ``"512MiB"`` / ``"2GB"`` (:func:`parse_bytes`, the
+    parser the environment uses)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("", "none", "null"):
+            return None
+        try:
+            return parse_bytes(text)
+        except ValueError as exc:
+            raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid: {exc}") from None
+    return _opt_int(name, value)
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` (any case, blanks stripped) when it is one of ``choices``; else :class:`ConfigError` saying which
+    are valid, with a did-you-mean."""
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    near = did_you_mean(value, choices) if isinstance(value, str) else ""
+    raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid{near}; valid: {' / '.join(map(repr, choices))}")

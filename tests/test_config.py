@@ -66,18 +66,39 @@ def test_invalid_values_name_field_value_and_range(field: str, value: object, va
 
 
 def test_unknown_policy_lists_known_ones() -> None:
-    c = OffloadConfig(policy="fastest")  # a config never consults the policy registry
-    assert c.policy == "FASTEST"
     known = r"unknown offload policy '(fastest|FASTEST)'.*BASE, COST_EFFECTIVE, HEURISTIC"
-    for check in (lambda: check_policy("fastest"), lambda: build_plan(make_profiles([100], [1.0]), 1e5, c)):
-        with pytest.raises(ConfigError, match=known) as info:
-            check()
-        assert "register_policy" in str(info.value) and "magi.policies" in str(info.value)
+    with pytest.raises(ConfigError, match=known) as info:
+        check_policy("fastest")
+    assert "register_policy" in str(info.value) and "magi.policies" in str(info.value)
     assert check_policy("Cost-Effective") == "COST_EFFECTIVE"
 
 
-def test_config_does_not_consult_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Building and resolving a config runs no entry-point discovery (the name is checked when planning)."""
+@pytest.mark.parametrize(("policy", "near"), [("FASTEST", None), ("heuristc", "HEURISTIC"), ("cost_efective",
+                                                                                           "COST_EFFECTIVE")])
+def test_unknown_policy_is_refused_on_construction(policy: str, near: str | None) -> None:
+    with pytest.raises(ConfigError, match=r"unknown offload policy .*\(OffloadConfig.policy\)") as info:
+        OffloadConfig(policy=policy)
+    msg = str(info.value)
+    assert "BASE, COST_EFFECTIVE, HEURISTIC" in msg and "register_policy" in msg
+    assert (f"did you mean {near!r}?" in msg) if near else "did you mean" not in msg
+    with pytest.raises(ConfigError, match=r"unknown offload policy .*\(OffloadConfig.policy\)"):
+        OffloadConfig().replace(policy=policy)
+    with pytest.raises(ConfigError, match=r"unknown offload policy .*from the environment: MAGI_OFFLOAD_POLICY"):
+        resolve_config(None, environ={"MAGI_OFFLOAD_POLICY": policy})
+
+
+def test_a_policy_unregistered_after_construction_is_refused_when_planning() -> None:
+    register_policy("short_lived", EveryUnitAtStart)
+    try:
+        c = OffloadConfig(policy="short_lived")
+    finally:
+        unregister_policy("short_lived")
+    with pytest.raises(ConfigError, match="unknown offload policy 'SHORT_LIVED'"):
+        build_plan(make_profiles([100], [1.0]), 1e5, c)
+
+
+def test_built_in_policies_do_not_consult_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config naming a built-in policy runs no entry-point discovery; a plugin name is looked up once built."""
     import magi_core.plan.registry as registry
 
     def fail(*args: object, **kwargs: object) -> None:
@@ -85,8 +106,9 @@ def test_config_does_not_consult_the_registry(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(registry, "_discover", fail)
     monkeypatch.setattr(registry, "known_policies", fail)
-    c = resolve_config(OffloadConfig(policy="some_plugin"), {"lookahead": 2}, environ={})
-    assert (c.policy, c.lookahead) == ("SOME_PLUGIN", 2)
+    c = resolve_config(OffloadConfig(policy="base"), {"lookahead": 2}, environ={})
+    assert (c.policy, c.lookahead) == (Policy.BASE, 2)
+    assert OffloadConfig().policy is Policy.HEURISTIC
 
 
 @pytest.mark.parametrize(("value", "message"), [("", "expected a policy name"), (3, "expected a policy name")])
@@ -526,3 +548,34 @@ def test_budget_share_from_the_environment() -> None:
     assert c.device_memory_budget_bytes == "50%" and not c.fits_card
     c = resolve_config(environ={"MAGI_OFFLOAD_GPU_RESIDENT_WEIGHT_RATIO": "none"})
     assert c.gpu_resident_weight_ratio is None and c.fits_card
+
+
+@pytest.mark.parametrize(("field", "value", "near"), [
+    ("unit_compiler", "inductr", "inductor"), ("unit_compiler", "triton", None),
+    ("transfer", "per-tensor", "per_tensor"), ("transfer", "units", "unit"),
+    ("exchange", "of", "off"), ("exchange", "always", None),
+])
+def test_closed_string_fields_are_refused_with_a_did_you_mean(field: str, value: str, near: str | None) -> None:
+    with pytest.raises(ConfigError, match=f"OffloadConfig.{field}={value!r} is invalid") as info:
+        OffloadConfig(**{field: value})  # type: ignore[arg-type]
+    msg = str(info.value)
+    assert "valid: " in msg and ((f"did you mean {near!r}?" in msg) if near else "did you mean" not in msg)
+
+
+def test_budget_typo_of_auto_suggests_it() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean 'auto'\?"):
+        OffloadConfig(device_memory_budget_bytes="atuo")
+
+
+@pytest.mark.parametrize("text", ["2GB", "2GiB", "512MB", "512 MiB", "1e9", "4096"])
+@pytest.mark.parametrize("field", ["max_unit_bytes", "bandwidth_probe_bytes", "device_memory_budget_bytes"])
+def test_byte_sizes_work_in_code_as_in_the_environment(field: str, text: str) -> None:
+    """One parser: a size the environment accepts for a byte-size field is accepted in code, with the same value."""
+    in_code = getattr(OffloadConfig(**{field: text}), field)  # type: ignore[arg-type]
+    from_env = getattr(resolve_config(None, environ={f"MAGI_OFFLOAD_{field.upper()}": text}), field)
+    assert in_code == from_env == parse_bytes(text) and isinstance(in_code, int)
+
+
+def test_a_byte_size_that_does_not_parse_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"OffloadConfig.max_unit_bytes='2 gigs' is invalid: not a byte size"):
+        OffloadConfig(max_unit_bytes="2 gigs")

@@ -81,8 +81,8 @@ def build_runtime(
     warn_device_branches()
     place_on_device(gm, device, backend.to_method_aliases, example_inputs=example_inputs)
     # everything resident by request: nothing streams, so the graph compiles whole (as torch.compile would)
-    everything_resident = config.resident_ratio >= 1.0 and config.max_unit_bytes is None
-    split = split_into_units(gm, example_inputs, max_unit_bytes=config.max_unit_bytes, one_unit=everything_resident)
+    everything_resident = config.resident_ratio >= 1.0 and config.unit_bytes_cap is None
+    split = split_into_units(gm, example_inputs, max_unit_bytes=config.unit_bytes_cap, one_unit=everything_resident)
     # the backend's capabilities decide "auto" and whether generated unit code is called directly
     transfer = exchange_transfer(config, backend, device, host) or config.transfer
     executor = OffloadExecutor(
