@@ -57,8 +57,8 @@ UNIT_COMPILERS = ("inductor", "eager")
 DEVICE_MODULE_REQUIRED = ("Stream", "Event", "current_stream", "stream", "synchronize")
 """Device-module attributes selection requires: a module lacking one is refused with a
 :class:`~magi_core.errors.BackendError` naming it. ``Stream`` must be a ``torch.Stream`` subclass
-(``Tensor.record_stream`` accepts nothing else) and ``Event`` must accept ``enable_timing=True``; ``magi backends --check``
-and the conformance kit check both.
+(``Tensor.record_stream`` accepts nothing else) and ``Event`` must accept ``enable_timing=True``;
+``magi backends --check`` and the conformance kit check both.
 """
 DEVICE_MODULE_EXPECTED = {
     "current_device": "Backend.device(): the index of the device offloaded runs use",
