@@ -3,10 +3,12 @@ checkpoint), reach its :func:`handle`, :func:`release` it."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -19,6 +21,7 @@ from magi_core.errors import ConfigError, MagiError
 from magi_core.host.config import HostOptions
 from magi_core.host.loading import Rename, SourceSpec
 from magi_core.host.materialize import materialize
+from magi_core.host.topology import Coordinator
 from magi_core.plan.registry import check_policy
 from magi_core.plugin.manager import get_backend
 
@@ -78,14 +81,24 @@ def load(model: M, source: SourceSpec, config: OffloadConfig | None = None, *, s
 def _offload(model: M, config: OffloadConfig | None, host_options: HostOptions | None,
              compile_kwargs: dict[str, Any], entry: str, weights: dict[str, Any] | None = None,
              methods: Sequence[str] = ()) -> M:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{entry}() takes an nn.Module, got {type(model).__name__}")
-    methods = _check_methods(model, methods, entry)  # before any host work
-    if isinstance(model.__dict__.get(_HANDLE_ATTR), OffloadHandle) and not model.__dict__[_HANDLE_ATTR].released:
-        raise MagiError(f"{type(model).__name__} is already offloaded; magi_core.release(model) it first")
-    _check_compile_kwargs(compile_kwargs)  # before any host work
-    cfg = resolve_config(config)
-    check_policy(cfg.policy)
+    # what this rank checks alone (the model, the arguments, the config and its environment) fails inside one
+    # agreed status: every rank raises at once instead of the others waiting in materialize's first gather
+    cfg: OffloadConfig | None = None
+    setup: BaseException | None = None
+    try:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{entry}() takes an nn.Module, got {type(model).__name__}")
+        methods = _check_methods(model, methods, entry)
+        if isinstance(model.__dict__.get(_HANDLE_ATTR), OffloadHandle) and not model.__dict__[_HANDLE_ATTR].released:
+            raise MagiError(f"{type(model).__name__} is already offloaded; magi_core.release(model) it first")
+        if weights is not None:
+            _check_source(weights["source"])
+        _check_compile_kwargs(compile_kwargs, entry)
+        cfg = _resolve(config, entry)
+    except (MagiError, TypeError) as exc:
+        setup = exc
+    _agree(setup, entry)
+    assert cfg is not None
     training = sorted({type(m).__name__ for m in model.modules() if m.training})
     if training:
         _inference_only(f"{type(model).__name__} is in training mode ({', '.join(training[:5])}"
@@ -99,10 +112,9 @@ def _offload(model: M, config: OffloadConfig | None, host_options: HostOptions |
         # behind the host-side wrapper that hands Dynamo host proxies for device inputs. Dynamo compiles a
         # per-model entry function that calls ``model._call_impl`` (hooks included), so modules whose forward
         # lives in torch.nn (Sequential, Linear, ...) compile too.
-        h.forward = compile_offloaded(model, cfg, name=h.name, handle=h, **compile_kwargs)
+        h.forward = _compile_resolved(model, cfg, h.name, h, compile_kwargs)
         for name in methods:  # an instance attribute: it shadows the class's method until release(restore=True)
-            h.methods[name] = compile_offloaded(method_entry(model, name), cfg, name=f"{h.name}.{name}", handle=h,
-                                                **compile_kwargs)
+            h.methods[name] = _compile_resolved(method_entry(model, name), cfg, f"{h.name}.{name}", h, compile_kwargs)
         model._compiled_call_impl = h.forward
         model.__dict__.update(h.methods)
         model.__dict__[_HANDLE_ATTR] = h
@@ -129,22 +141,93 @@ def compile_offloaded(
     compiled through :func:`module_entry` (its hooks run inside the graph). The runtimes it compiles are
     recorded in ``handle`` (a new one when None: ``forward.handle``).
     """
-    _check_compile_kwargs(compile_kwargs)
-    compile_kwargs["fullgraph"] = True
+    _check_compile_kwargs(compile_kwargs, "compile_offloaded")
+    cfg = _resolve(config, "compile_offloaded")
+    return _compile_resolved(fn, cfg, name, handle, compile_kwargs)
+
+
+def _compile_resolved(fn: Callable[..., Any], cfg: OffloadConfig, name: str | None, handle: OffloadHandle | None,
+                      compile_kwargs: dict[str, Any]) -> OffloadedForward:
+    """:func:`compile_offloaded` with ``cfg`` already resolved (:func:`_resolve`): the Dynamo backend uses it as
+    it is."""
     if isinstance(fn, nn.Module):
         label = name or type(fn).__name__
         target: Callable[..., Any] = module_entry(fn)
     else:
         label = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         target = fn
-    cfg = resolve_config(config)
-    check_policy(cfg.policy)
     h = handle if handle is not None else OffloadHandle(label, cfg)
     options: dict[str, Any] = {"config": cfg}
-    compiled = torch.compile(target, backend=h.backend, options=options, **compile_kwargs)
+    compiled = torch.compile(target, backend=h.backend, options=options, **{**compile_kwargs, "fullgraph": True})
     backend = get_backend()
     return OffloadedForward(compiled, _device_predicate(backend.device_type, backend.is_accelerator),
                             model_name=label, handle=h)
+
+
+def _resolve(config: Any, entry: str) -> OffloadConfig:
+    """The effective config (environment applied, policy checked), resolved once on the way in; a value that is
+    not an :class:`OffloadConfig` raises saying what to pass instead."""
+    if config is not None and not isinstance(config, OffloadConfig):
+        raise ConfigError(f"{entry}(): the config must be a magi_core.OffloadConfig, got {type(config).__name__} "
+                          f"{_short(config)}; pass {_config_hint(config)}")
+    cfg = resolve_config(config)
+    check_policy(cfg.policy)
+    return cfg
+
+
+def _config_hint(value: Any) -> str:
+    """What to pass instead of ``value`` where an :class:`OffloadConfig` belongs."""
+    fields = OffloadConfig.field_names()
+    if isinstance(value, Mapping) and value and all(isinstance(k, str) and k in fields for k in value):
+        return "OffloadConfig(" + ", ".join(f"{k}={v!r}" for k, v in value.items()) + ")"
+    if isinstance(value, str):
+        return f"OffloadConfig(policy={value!r})"
+    return "OffloadConfig(policy='BASE') (or leave it out for the defaults)"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_source(source: Any) -> None:
+    """``load``'s source is not a config (the checkpoint comes first: ``load(model, source, config)``)."""
+    if isinstance(source, OffloadConfig) or source is None:
+        got = "an OffloadConfig" if source is not None else "None"
+        raise ConfigError(f"load(model, source, config): the source comes first, got {got}; pass the "
+                          "checkpoint (a safetensors file, a directory, an index, a WeightSource or a function), "
+                          "then the config: magi_core.load(model, 'model.safetensors', OffloadConfig(...))")
+
+
+def _agree(setup: BaseException | None, entry: str) -> None:
+    """Raise on every rank when one rank's arguments failed (its own error there, one naming it on the others).
+
+    Without torch.distributed (or with one rank) this raises ``setup`` when set; otherwise the ranks gather their
+    statuses on the gloo group materialisation uses (one small collective), so no rank waits for another that left.
+    """
+    coord = Coordinator() if _distributed() else None
+    if coord is None or coord.world_size <= 1:
+        if setup is not None:
+            raise setup
+        return
+    statuses = coord.all_gather(None if setup is None else (type(setup).__name__, str(setup)))
+    if setup is not None:
+        raise setup
+    bad = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if not bad:
+        return
+    kinds = {kind for _, (kind, _) in bad}
+    cls = _AGREED_CLASSES.get(kinds.pop(), MagiError) if len(kinds) == 1 else MagiError
+    raise cls(f"magi_core.{entry}: " + "; ".join(f"rank {r}: {kind}: {text}" for r, (kind, text) in bad)
+              + " (every rank raises; fix that rank's input)")
+
+
+#: Classes another rank's argument error is raised as on this rank (by name).
+_AGREED_CLASSES: dict[str, type[Exception]] = {c.__name__: c for c in (ConfigError, MagiError, TypeError)}
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def module_entry(model: nn.Module) -> Callable[..., Any]:
@@ -214,15 +297,41 @@ def _inference_only(message: str, stacklevel: int = 3) -> None:
     logger.warning("magi offload: %s", message)
 
 
-def _check_compile_kwargs(compile_kwargs: dict[str, Any]) -> None:
+def _check_compile_kwargs(compile_kwargs: dict[str, Any], entry: str = "offload") -> None:
+    """Refuse what torch.compile must not get from the caller, naming what to pass instead."""
     if compile_kwargs.get("fullgraph", True) is not True:
         raise ConfigError(
-            "offload compiles the forward with fullgraph=True (device inputs and host weights cannot meet in "
+            f"{entry} compiles the forward with fullgraph=True (device inputs and host weights cannot meet in "
             "eager code between graphs); drop fullgraph=False, or use torch.compile(model, backend='magi_offload') "
             "with host inputs"
         )
     if "backend" in compile_kwargs or "options" in compile_kwargs:
-        raise ConfigError("offload sets torch.compile's backend and options itself; pass an OffloadConfig instead")
+        raise ConfigError(f"{entry} sets torch.compile's backend and options itself; pass an OffloadConfig instead")
+    settings = {k: v for k, v in compile_kwargs.items() if k in OffloadConfig.field_names()}
+    if settings:
+        given = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+        call = {"load": "load(model, source, ", "compile_offloaded": "compile_offloaded(fn, "}.get(
+            entry, f"{entry}(model, ")
+        raise ConfigError(f"{entry}() has no argument {given}: it is an OffloadConfig setting; pass "
+                          f"{call}OffloadConfig({given}))")
+    host = {k: v for k, v in compile_kwargs.items() if k in _HOST_OPTION_FIELDS}
+    if host:
+        given = ", ".join(f"{k}={v!r}" for k, v in host.items())
+        raise ConfigError(f"{entry}() has no argument {given}: it is a host option; pass "
+                          f"host_options=magi_core.host.HostOptions({given})")
+    unknown = sorted(k for k in compile_kwargs if k not in _COMPILE_KWARGS)
+    if unknown:
+        raise ConfigError(f"{entry}() got unexpected argument(s) {', '.join(unknown)}; it passes only "
+                          f"{', '.join(sorted(_COMPILE_KWARGS))} on to torch.compile; settings of the offload belong "
+                          "in OffloadConfig(...), host memory settings in host_options=HostOptions(...)")
+
+
+#: torch.compile's keyword arguments a caller may pass through offload(), load() and compile_offloaded().
+_COMPILE_KWARGS = frozenset(
+    name for name, p in inspect.signature(torch.compile).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("backend", "options")
+)
+_HOST_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(HostOptions) if not f.name.startswith("_"))
 
 
 def _device_predicate(device_type: str, is_accelerator: bool) -> Any:

@@ -186,6 +186,9 @@ class OffloadConfig:
     #: Names of the fields set explicitly (constructor arguments, :meth:`replace` changes, ``options`` keys);
     #: set per instance and never compared. The environment never overrides these.
     _explicit: ClassVar[frozenset[str]] = frozenset()
+    #: Set on the copy a graph plans with next to other graphs of its model (:meth:`planning_rest`); per instance,
+    #: never compared, and not carried over by :meth:`replace`.
+    _rest_share: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -242,6 +245,20 @@ class OffloadConfig:
     def resident_ratio(self) -> float:
         """``gpu_resident_weight_ratio`` as a number (0 when it is not set)."""
         return self.gpu_resident_weight_ratio or 0.0
+
+    @property
+    def planned_resident_share(self) -> float:
+        """The share of the weight bytes being planned that may stay resident (what schedulers cap residency with):
+        :attr:`resident_ratio`, or for a graph planned next to other graphs of its model the share of the weights
+        those do not keep resident already (:meth:`planning_rest`)."""
+        return self.resident_ratio if self._rest_share is None else self._rest_share
+
+    def planning_rest(self, share: float) -> OffloadConfig:
+        """A copy whose :attr:`planned_resident_share` is ``share`` (clamped to [0, 1]); every field, so also
+        ``gpu_resident_weight_ratio`` (a share of all the model's weights), keeps its value and meaning."""
+        new = self._evolve({}, self._explicit)
+        object.__setattr__(new, "_rest_share", min(1.0, max(0.0, float(share))))
+        return new
 
     def budget_bytes(self, device_total: int | None) -> int | None:
         """``device_memory_budget_bytes`` in bytes: a share (``"80%"``) of ``device_total``; None when not set.

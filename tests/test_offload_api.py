@@ -169,18 +169,18 @@ def test_failure_inside_offload_leaves_nothing_behind(shm_dir, monkeypatch):
         ref = model(x)
     before = registered_ranges()
     seen: list[int] = []
-    real_compile = api.compile_offloaded
+    real_compile = api._compile_resolved
 
     def failing(*args, **kwargs):
         seen.append(len(registered_ranges()))  # the weights are in registered host arenas by now
         real_compile(*args, **kwargs)
         raise RuntimeError("injected failure after compile")
 
-    monkeypatch.setattr(api, "compile_offloaded", failing)
+    monkeypatch.setattr(api, "_compile_resolved", failing)
     with pytest.raises(RuntimeError, match="injected"):
         offload(model, CFG)
     assert seen and seen[0] > len(before)
-    monkeypatch.setattr(api, "compile_offloaded", real_compile)
+    monkeypatch.setattr(api, "_compile_resolved", real_compile)
     _assert_nothing_left(model, before, shm_dir, x, ref)
     # torch.compile itself refusing the arguments (mode and options together), after the host work
     with pytest.raises(RuntimeError, match="mode or options"):

@@ -44,8 +44,9 @@ def config_from_options(options: Mapping[str, Any] | OffloadConfig | None) -> Of
     """The effective config from ``torch.compile`` options (``"config"`` key, fields) and the environment
     (option entries > the config's explicit fields > ``MAGI_OFFLOAD_*`` > defaults).
 
-    A config :func:`~magi_core.config.resolve_config` already resolved (what :func:`magi_core.offload` passes)
-    is used as it is; the policy name is checked here, before any compile work.
+    A config resolved on the way in (what :func:`magi_core.offload` and
+    :func:`~magi_core.api.compile_offloaded` pass, alone) is used as it is: it was resolved and its policy checked
+    there. Anything else is resolved here, once, and its policy checked before any compile work.
     """
     base: OffloadConfig | None = None
     rest: dict[str, Any] | None = None
@@ -59,6 +60,8 @@ def config_from_options(options: Mapping[str, Any] | OffloadConfig | None) -> Of
         base = given
     else:
         raise ConfigError(f"magi_offload options must be a dict of OffloadConfig fields, got {type(options).__name__}")
+    if base is not None and base._resolved and not rest:
+        return base
     cfg = resolve_config(base, rest)
     check_policy(cfg.policy)
     return cfg

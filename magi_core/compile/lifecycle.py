@@ -479,7 +479,8 @@ class OffloadLifecycle:
         units whose weights those keep resident already (resident here too, at no cost: planned as weightless),
         and the host tensors those keep resident (with their bytes).
 
-        The resident cap of ``gpu_resident_weight_ratio`` shrinks by this graph's weights the others keep;
+        The resident cap of ``gpu_resident_weight_ratio`` shrinks by this graph's weights the others keep (planned as
+        :attr:`~magi_core.config.OffloadConfig.planned_resident_share` of the rest; the ratio keeps its meaning);
         ``device_memory_budget_bytes`` by everything the others hold (resident weights, copy buffers), except the
         copy buffer this runtime shares with them, whose room it plans with as its own (:meth:`_fit` counts it).
         """
@@ -527,10 +528,10 @@ class OffloadLifecycle:
             total = sum(p.weight_bytes for p in profiles)
             left = sum(p.weight_bytes for p in planned)
             cap = max(0.0, cfg.resident_ratio * total - sum(mine[k] for k in mine if k in held))
-            cfg = cfg.replace(gpu_resident_weight_ratio=min(1.0, cap / left) if left else 0.0)
+            cfg = cfg.planning_rest(cap / left if left else 0.0)  # the ratio itself stays a share of all weights
         logger.info("magi offload: %d unit(s) already resident for %d other graph(s) of this model; planning with %s",
                     len(shared), len(peers), f"a budget of {cfg.device_memory_budget_bytes} bytes" if budget is not None
-                    else f"a resident ratio of {cfg.gpu_resident_weight_ratio:.4f} for the rest")
+                    else f"{cfg.planned_resident_share:.4f} of the rest resident")
         return planned, cfg, shared, held
 
     def close(self) -> None:

@@ -26,7 +26,8 @@ def planning_bandwidth(bandwidth_Bps: float, config: OffloadConfig) -> float:
 
 
 def ratio_cap(profiles: Sequence[UnitProfile], ratio: float) -> int:
-    """Resident byte cap for ``gpu_resident_weight_ratio``: ``floor(ratio * all weight bytes)``."""
+    """Resident byte cap for a share of the weights planned (``config.planned_resident_share``):
+    ``floor(ratio * all weight bytes of profiles)``."""
     return math.floor(ratio * sum(p.weight_bytes for p in profiles))
 
 
@@ -135,7 +136,7 @@ def plan_with_limits(
             "in bytes (config.replace(device_memory_budget_bytes=config.budget_bytes(device_total)))"
         )
     if budget is None:
-        cap = ratio_cap(profiles, config.resident_ratio)
+        cap = ratio_cap(profiles, config.planned_resident_share)
         plan = build(cap)
         plan.notes["resident_budget_bytes"] = float(cap)
         return plan

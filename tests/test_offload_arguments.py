@@ -1,0 +1,198 @@
+"""Wrong arguments to ``offload`` / ``load`` / ``compile_offloaded`` are errors naming the fix, raised before any
+host work; the config is resolved once on its way in; the resident ratio keeps one meaning down to the planner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.ranges import registered_ranges
+from torch import nn
+
+import magi_core
+import magi_core.api as api
+import magi_core.compile.backend as compile_backend
+import magi_core.config as config_module
+from magi_core.config import OffloadConfig
+from magi_core.errors import ConfigError
+from magi_core.plan import register_policy, unregister_policy
+from magi_core.plan.contract import Plan, UnitProfile
+from magi_core.plan.registry import get_scheduler
+
+CFG = OffloadConfig(unit_compiler="eager", warmup_calls=2)
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    path = base / f"magi-test-args-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    monkeypatch.setenv("MAGI_SHM_DIR", str(path))
+    torch._dynamo.reset()
+    try:
+        yield path
+    finally:
+        torch._dynamo.reset()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x
+        return x
+
+
+def _untouched(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    """Nothing was done to the model: no handle, no host arena, the same tensors."""
+    assert "_magi_offload_handle" not in model.__dict__ and model.__dict__.get("_compiled_call_impl") is None
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == {k: v.data_ptr() for k, v in before.items()}
+
+
+@pytest.mark.parametrize(("call", "fix"), [
+    (lambda m: magi_core.offload(m, {"policy": "BASE"}), "pass OffloadConfig(policy='BASE')"),
+    (lambda m: magi_core.offload(m, "BASE"), "pass OffloadConfig(policy='BASE')"),
+    (lambda m: magi_core.offload(m, policy="BASE"), "pass offload(model, OffloadConfig(policy='BASE'))"),
+    (lambda m: magi_core.offload(m, CFG, pin=False), "host_options=magi_core.host.HostOptions(pin=False)"),
+    (lambda m: magi_core.offload(m, CFG, no_such_argument=1), "passes only disable, dynamic, fullgraph"),
+    (lambda m: magi_core.load(m, "model.safetensors", {"lookahead": 2}), "pass OffloadConfig(lookahead=2)"),
+    (lambda m: magi_core.load(m, "model.safetensors", policy="BASE"),
+     "pass load(model, source, OffloadConfig(policy='BASE'))"),
+    (lambda m: magi_core.load(m, OffloadConfig()), "the source comes first"),
+    (lambda m: api.compile_offloaded(m, {"policy": "BASE"}), "pass OffloadConfig(policy='BASE')"),
+    (lambda m: api.compile_offloaded(m, policy="BASE"), "pass compile_offloaded(fn, OffloadConfig(policy='BASE'))"),
+])
+def test_wrong_arguments_name_the_fix_before_any_host_work(call: Any, fix: str) -> None:
+    model = Stack().eval()
+    before = dict(model.state_dict())
+    ranges = registered_ranges()
+    with pytest.raises(ConfigError) as info:
+        call(model)
+    assert fix in str(info.value), str(info.value)
+    _untouched(model, before)
+    assert registered_ranges() == ranges
+
+
+def test_a_typo_in_the_policy_fails_where_the_config_is_built() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean 'HEURISTIC'\?"):
+        magi_core.offload(Stack().eval(), OffloadConfig(policy="heuristc"))
+
+
+# -- the config is resolved once on its way in -------------------------------------------------------------------
+
+@pytest.fixture
+def resolutions(monkeypatch: pytest.MonkeyPatch) -> list[OffloadConfig | None]:
+    """Every call of the resolver (:func:`magi_core.config.resolve_config`), wherever it is imported."""
+    calls: list[OffloadConfig | None] = []
+    real = config_module.resolve_config
+
+    def counting(config: OffloadConfig | None = None, *args: Any, **kwargs: Any) -> OffloadConfig:
+        calls.append(config)
+        return real(config, *args, **kwargs)
+
+    for module in (config_module, api, compile_backend):
+        monkeypatch.setattr(module, "resolve_config", counting)
+    return calls
+
+
+def test_offload_resolves_the_config_once(shm_dir: Path, resolutions: list[Any]) -> None:
+    model = Stack().eval()
+    magi_core.offload(model, CFG, methods=())
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(2, 16))
+        assert len(resolutions) == 1, resolutions
+        h = magi_core.handle(model)
+        assert h.runtime.config is h.config  # the resolved object itself reaches the runtime
+    finally:
+        magi_core.release(model)
+
+
+def test_load_resolves_the_config_once(shm_dir: Path, tmp_path: Path, resolutions: list[Any]) -> None:
+    from safetensors.torch import save_file
+
+    src = Stack().eval()
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        model = Stack().eval()
+    magi_core.load(model, str(tmp_path / "model.safetensors"), CFG)
+    try:
+        x = torch.randn(2, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), src(x))
+        assert len(resolutions) == 1, resolutions
+    finally:
+        magi_core.release(model)
+
+
+def test_torch_compile_with_the_backend_resolves_once(resolutions: list[Any]) -> None:
+    torch._dynamo.reset()
+    model = Stack().eval()
+    f = torch.compile(model, backend="magi_offload", options={"unit_compiler": "eager", "warmup_calls": 1})
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(f(x), ref)
+        torch.testing.assert_close(f(x), ref)
+    assert len(resolutions) == 1, resolutions
+    torch._dynamo.reset()
+
+
+# -- the resident ratio keeps its meaning: a share of all the model's weights -------------------------------------
+
+class _Recording:
+    """COST_EFFECTIVE, recording the config and the planned weight bytes of every plan it makes."""
+
+    seen: list[tuple[float | None, float, int]] = []
+
+    def plan(self, profiles: Sequence[UnitProfile], bandwidth_Bps: float, config: OffloadConfig) -> Plan:
+        _Recording.seen.append((config.gpu_resident_weight_ratio, config.planned_resident_share,
+                                sum(p.weight_bytes for p in profiles)))
+        return get_scheduler("COST_EFFECTIVE").plan(profiles, bandwidth_Bps, config)
+
+
+def test_a_second_input_shape_plans_with_the_same_ratio(shm_dir: Path) -> None:
+    """A graph planned next to another of its model gets the user's ratio unchanged; the share of its remaining
+    weights it may keep resident is a quantity of its own (``planned_resident_share``)."""
+    register_policy("recording_ratio", _Recording, replace=True)
+    _Recording.seen = []
+    model = Stack(n=6).eval()
+    total = sum(p.nbytes for p in model.parameters())
+    try:
+        magi_core.offload(model, OffloadConfig(policy="recording_ratio", gpu_resident_weight_ratio=0.5,
+                                               unit_compiler="eager", warmup_calls=1), dynamic=False)
+        with torch.no_grad():
+            for _ in range(3):
+                for rows in (2, 3):
+                    x = torch.randn(rows, 16)
+                    torch.testing.assert_close(model(x), model.forward(x))
+        assert magi_core.handle(model).compile_count == 2
+        ratios = {ratio for ratio, _, _ in _Recording.seen}
+        assert ratios == {0.5}, _Recording.seen  # never rewritten as a share of what is left
+        later = [(share, planned) for _, share, planned in _Recording.seen if planned < total]
+        assert later, _Recording.seen  # the second shape planned only what the first does not keep resident
+        for share, planned in later:
+            assert share != 0.5 and share * planned <= 0.5 * total
+    finally:
+        magi_core.release(model)
+        unregister_policy("recording_ratio")
+
+
+def test_planning_rest_keeps_every_field() -> None:
+    cfg = OffloadConfig(gpu_resident_weight_ratio=0.5)
+    rest = cfg.planning_rest(0.25)
+    assert rest == cfg and rest.gpu_resident_weight_ratio == 0.5 and rest.resident_ratio == 0.5
+    assert (cfg.planned_resident_share, rest.planned_resident_share) == (0.5, 0.25)
+    assert rest.replace(lookahead=2).planned_resident_share == 0.5  # a replaced copy plans with the ratio again
+
