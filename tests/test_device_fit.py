@@ -152,3 +152,79 @@ def test_a_unit_larger_than_the_card_is_a_clear_error_before_any_allocation(devi
         assert int(dm.memory_allocated()) <= before
     finally:
         magi_core.release(model, restore=True)
+
+
+@pytest.fixture
+def two_graphs() -> Iterator[None]:
+    """Each input shape its own static graph (no automatic dynamic shapes): two graphs of one model."""
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        yield
+
+
+def _held(dm: object, before: int) -> int:
+    import gc
+
+    gc.collect()
+    return int(dm.memory_allocated()) - before  # type: ignore[attr-defined]
+
+
+def test_graphs_of_one_model_hold_one_budget_together(device_cap, two_graphs) -> None:
+    """Two input shapes are two graphs sharing the model's budget: the one planned first leaves room for the copy
+    buffer of the one still warming up (allocated next to its resident weights), and after both planned the model
+    holds no more than the budget (as a prefill and decode graph of ``generate`` do)."""
+    device_cap(512 * MIB)
+    budget = 144 * MIB  # room for every weight, not for every weight and a copy buffer of two blocks as well
+    model = Blocks().eval()
+    dm = get_backend().device_module
+    before = int(dm.memory_allocated())
+    small, large = torch.randn(4, DIM), torch.randn(8, DIM)
+    try:
+        with torch.no_grad():
+            ref_small, ref_large = model(small), model(large)
+            # a link planned as slow: every weight resident shortens the step (as on a transfer-bound card)
+            magi_core.offload(model, OffloadConfig(unit_compiler="eager", device_memory_budget_bytes=budget,
+                                                   bandwidth_safety_factor=0.01))
+            model(large)  # the second graph's first call: it warms up, its copy buffer allocated
+            for shape, ref in [(small, ref_small)] * 5 + [(large, ref_large)] * 5 + [(small, ref_small)] * 3:
+                # the first graph plans while the second is still warming up; then the second plans; then the
+                # first plans again, reading resident what the second keeps resident
+                torch.testing.assert_close(model(shape).cpu(), ref)
+                held = _held(dm, before)
+                assert held <= budget, [(s.phase, s.resident_bytes // MIB, s.transfer_buffer_bytes // MIB)
+                                        for s in magi_core.handle(model).stats()]
+        stats = magi_core.handle(model).stats()
+        assert len(stats) == 2 and all(s.phase == "planned" for s in stats)
+        assert stats[1].resident_bytes >= stats[0].resident_bytes, "the first graph reads the second's residents"
+    finally:
+        magi_core.release(model, restore=True)
+
+
+def test_a_graph_planned_first_adopts_weights_another_graph_made_resident(device_cap, two_graphs) -> None:
+    """The first graph planned when the card had little to spare; memory freed later lets the second graph keep
+    weights resident: the first one plans again and reads them resident too, instead of streaming them each step."""
+    device_cap(160 * MIB)
+    model = Blocks().eval()
+    dm = get_backend().device_module
+    small, large = torch.randn(4, DIM), torch.randn(8, DIM)
+    other = torch.empty(96 * MIB, dtype=torch.uint8, device=get_backend().device())  # someone else's tensor
+    try:
+        with torch.no_grad():
+            ref_small, ref_large = model(small), model(large)
+            # a link planned as slow: every weight resident shortens the step (as on a transfer-bound card)
+            magi_core.offload(model, OffloadConfig(unit_compiler="eager", policy="HEURISTIC",
+                                                   bandwidth_safety_factor=0.01))
+            for _ in range(5):
+                model(small)
+            (first,) = magi_core.handle(model).stats()
+            del other
+            for _ in range(5):
+                torch.testing.assert_close(model(large).cpu(), ref_large)
+            first_again, second = magi_core.handle(model).stats()
+            assert second.resident_bytes > first.resident_bytes, "the second graph found more room"
+            torch.testing.assert_close(model(small).cpu(), ref_small)  # the first graph plans again here
+            first_again, second = magi_core.handle(model).stats()
+        assert first_again.resident_bytes >= second.resident_bytes > first.resident_bytes
+        assert first_again.streamed_bytes_per_step < first.streamed_bytes_per_step
+        assert dm is not None
+    finally:
+        magi_core.release(model, restore=True)

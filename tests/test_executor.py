@@ -531,9 +531,18 @@ def test_budget_fit_bisects_back_up_when_a_shrunk_budget_is_too_small_to_plan():
 
 
 def test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget():
+    """The first shape plans alone and keeps every weight; the second warms up and plans reading them resident:
+    no copy buffer, the budget held throughout."""
     model = TableStack(n=3).eval()
     weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
-    first, second = _two_shapes(model, device_memory_budget_bytes=weights)  # the first keeps everything
+    xs = [torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (3, 5)]
+    f = compile_tracked(model, dynamic=False,
+                        options={"unit_compiler": "eager", "warmup_calls": 2, "device_memory_budget_bytes": weights})
+    with torch.no_grad():
+        for x in (xs[0],) * 4 + (xs[1],) * 4:
+            close(f(x), model(x))
+            assert _on_device(HANDLES[-1].runtimes) <= weights
+    first, second = HANDLES[-1].runtimes
     assert sum(first.resident_hosts.values()) == weights and second.resident_hosts == first.resident_hosts
     assert second.executor.actions.streamed_bytes == 0
 

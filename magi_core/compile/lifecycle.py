@@ -47,6 +47,8 @@ _FIT_ROUNDS = 6
 _FIT_RESOLUTION = 1 / 64
 #: Fit-the-card plans: less device memory whose predicted step is within this share of the fastest plan's.
 _SAME_STEP = 0.005
+#: How many times one graph plans again because another graph of the model made weights resident.
+_MAX_REPLANS = 2
 
 #: The smallest default bandwidth probe (and its granularity) on a card with little free memory.
 _MIN_PROBE_BYTES = 16 << 20
@@ -113,6 +115,11 @@ class OffloadLifecycle:
         self._peer_buffer = 0
         #: Host tensors (id, data pointer) of the weights the static plan keeps resident, with their bytes.
         self.resident_hosts: dict[tuple[int, int], int] = {}
+        #: Host tensors (id, data pointer) of every weight this graph reads (known once planned).
+        self.weight_hosts: frozenset[tuple[int, int]] = frozenset()
+        #: Set when another graph of the model made resident weights this one streams: plan again next call.
+        self._replan = False
+        self._replans = 0
         #: Device bytes a warm-up call allocated beyond its weights (activations, workspaces): the last one's.
         self.activation_bytes = 0
         #: What the installed static plan holds on the device: resident weights, copy buffer, activations.
@@ -133,9 +140,28 @@ class OffloadLifecycle:
 
     def warmup_plan(self) -> Plan:
         """BASE look-ahead with nothing resident (weights in profile order, compute unknown)."""
-        cfg = self.config.replace(policy=Policy.BASE, gpu_resident_weight_ratio=0.0, device_memory_budget_bytes=None)
         profiles = unit_profiles(self.executor.units, None, self.executor.transfer.nbytes)
-        return self._planner(profiles, 1e9, cfg)
+        return self._planner(profiles, 1e9, self._warmup_config())
+
+    def _warmup_config(self) -> OffloadConfig:
+        return self.config.replace(policy=Policy.BASE, gpu_resident_weight_ratio=0.0, device_memory_budget_bytes=None)
+
+    def _warm_up_next_to_peers(self, args: Sequence[Any]) -> None:
+        """A graph compiled after others of the model planned warms up reading the weights they keep resident,
+        streaming only the rest: its copy buffer then fits next to their resident weights, within their budget."""
+        if not any(r._planned for r in self._peers_on_device()):
+            return
+        profiles = unit_profiles(self.executor.units, None, self.executor.transfer.nbytes)
+        with self.plan_lock if self.plan_lock is not None else contextlib.nullcontext():
+            try:
+                planned, _, shared, _ = self._share_with_peers(profiles, args, self.config)
+            except ConfigError:  # the budget is spent: planning says so, with what to do
+                return
+            if shared:
+                plan = self._planner(planned, 1e9, self._warmup_config())
+                plan = dataclasses.replace(plan, resident=plan.resident | shared)
+                plan.validate(profiles)
+                self.executor.set_plan(plan)
 
     @property
     def plan(self) -> Plan | None:
@@ -144,10 +170,12 @@ class OffloadLifecycle:
 
     def __call__(self, *args: Any) -> Any:
         """Run one step (the static-plan fast path after warm-up)."""
-        if self._planned and not self._measure_steps:
+        if self._planned and not self._measure_steps and not self._replan:
             return self.executor.run(args, None)
         with self._warmup_lock:
             if self._planned:  # planned while this call waited
+                if self._replan:
+                    self._install_plan(args)
                 return self._planned_call(args)
             return self._warmup_call(args)
 
@@ -167,9 +195,10 @@ class OffloadLifecycle:
     def _warmup_call(self, args: Sequence[Any]) -> Any:
         self.calls += 1
         w = self.config.warmup_calls
+        if self.calls == 1 and w > 0:
+            self._warm_up_next_to_peers(args)
         if self.calls > w:
             self._install_static_plan(args)
-            self._measure_steps = 2
             return self._planned_call(args)
         timer = None
         if self.calls == w:
@@ -192,7 +221,20 @@ class OffloadLifecycle:
             self._timer = None
         self.profiles = unit_profiles(self.executor.units, compute_ms, self.executor.transfer.nbytes)
         self.bandwidth_Bps = self.executor.transfer.rate(self._bandwidth())
+        self.weight_hosts = frozenset(_key(args[w.input_index]) for u in self.executor.units for w in u.weights)
+        self._install_plan(args)
+
+    def _install_plan(self, args: Sequence[Any]) -> None:
+        """Plan for the device next to the model's other graphs and install the plan (again, when another
+        graph made weights resident that this one streamed: they are resident here too from now on)."""
         with self.plan_lock if self.plan_lock is not None else contextlib.nullcontext():
+            if self._replan:
+                self._replans += 1
+                logger.info("magi offload: planning a graph again: another graph of the model keeps weights "
+                            "resident that it streams")
+            self._replan = False
+            before = {k for r in self._peers_on_device() if r._planned for k in r.resident_hosts}
+            buffer_before = _buffer_bytes(self)
             plan = self._plan_for_device(args)
             actions = self.executor.set_plan(plan)
             if self.device_budget_bytes is not None:
@@ -203,6 +245,16 @@ class OffloadLifecycle:
             self.predicted_peak_bytes = self._own_bytes() + self.activation_bytes
             self.phase = "planned"
             self._planned = True  # before the lock is let go: the next runtime to plan counts this one
+            self._measure_steps = 2
+            added = self.resident_hosts.keys() - before
+            freed = _buffer_bytes(self) < buffer_before  # the copy buffer its warm-up needed: room for the others
+            for r in self._peers_on_device():
+                # a graph planned before streams what this one now keeps resident, or planned next to the larger
+                # buffer this one needed: it plans again (a bounded number of times, so graphs never take turns
+                # re-planning each other)
+                streams = r.weight_hosts - r.resident_hosts.keys()
+                if r._planned and r._replans < _MAX_REPLANS and streams and (freed or added & streams):
+                    r._replan = True
         logger.info(
             "magi offload: %s plan for %d units: %d/%d weight bytes resident, %d streamed per step, "
             "predicted step %.3f ms (stall %.3f ms)",
@@ -253,7 +305,7 @@ class OffloadLifecycle:
         peers = self._peers_on_device()
         activations = max([self.activation_bytes, *(r.activation_bytes for r in peers)])
         if with_peers:
-            counted: dict[tuple[int, int], int] = {}
+            counted: dict[tuple[int, int], int] = dict(self.resident_hosts)  # planning again: its own count too
             for r in peers:
                 counted.update(r.resident_hosts)
                 if shared is None or getattr(r.executor.transfer, "shared", None) is not shared:
@@ -484,20 +536,20 @@ class OffloadLifecycle:
         ``device_memory_budget_bytes`` by everything the others hold (resident weights, copy buffers), except the
         copy buffer this runtime shares with them, whose room it plans with as its own (:meth:`_fit` counts it).
         """
-        peers = [r for r in (self.peers() if self.peers is not None else ())
-                 if r is not self and r._planned and r.executor.device == self.executor.device]
-        self._peer_buffer = 0
-        if not peers:
+        on_device = self._peers_on_device()
+        peers = [r for r in on_device if r._planned]
+        # copy buffers: one shared by the runtimes whose transfers share it (its size: their largest plan's, a
+        # graph still warming up included: its buffer stays allocated next to this plan's resident weights)
+        shared_buf = getattr(self.executor.transfer, "shared", None)
+        same = [r for r in on_device if shared_buf is not None and getattr(r.executor.transfer, "shared", None)
+                is shared_buf]
+        self._peer_buffer = max((_buffer_bytes(r) for r in same), default=0)
+        buffers = sum(_buffer_bytes(r) for r in on_device if r not in same)  # the shared one is this plan's too
+        if not peers and not buffers:
             return profiles, config, frozenset(), {}
         held: dict[tuple[int, int], int] = {}
         for r in peers:
             held.update(r.resident_hosts)
-        # copy buffers: one shared by the runtimes whose transfers share it (its size: their largest plan's)
-        shared_buf = getattr(self.executor.transfer, "shared", None)
-        same = [r for r in peers if shared_buf is not None and getattr(r.executor.transfer, "shared", None)
-                is shared_buf]
-        self._peer_buffer = max((_buffer_bytes(r) for r in same), default=0)
-        buffers = sum(_buffer_bytes(r) for r in peers if r not in same)  # the shared one is this plan's too
         units = self.executor.units
         owner = weight_owners(units)
         owned: dict[int, list[int]] = {}

@@ -323,6 +323,47 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        except (MagiError, OSError, TypeError, ValueError):\n            raise\n",
         (("core", ("tests/test_host_setup_errors.py",)),),
     ),
+    Mutation(
+        "ad", "unit split: a host value written in place counts as free, so what is computed from it moves to its "
+        "first user, after the write, and reads the advanced value (a StaticCache's length)",
+        "magi_core/passes/split.py",
+        "                if not is_mutated(ph):\n                    sources.add(ph)\n",
+        "                if True:\n                    sources.add(ph)\n",
+        (("core", ("tests/test_split.py",)),),
+    ),
+    Mutation(
+        "ae", "budget: a graph still warming up is left out of the copy buffer the model's graphs share, so a graph "
+        "planned meanwhile keeps resident what the budget leaves no room for next to that buffer",
+        "magi_core/compile/lifecycle.py",
+        "        same = [r for r in on_device if shared_buf is not None",
+        "        same = [r for r in on_device if r._planned and shared_buf is not None",
+        (("privateuse1", ("tests/test_device_fit.py",)),),
+    ),
+    Mutation(
+        "af", "shared copy buffer: kept once no plan needs one, next to the resident weights of plans that stream "
+        "nothing",
+        "magi_core/execute/transfer/shared.py",
+        "        if need == self.nbytes:\n",
+        "        if need == self.nbytes or need == 0:\n",
+        (("privateuse1",
+          ("tests/test_executor.py::test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget",)),),
+    ),
+    Mutation(
+        "ag", "two graphs: a graph planned first never reads resident the weights a later graph of the model keeps "
+        "resident (it streams them every step)",
+        "magi_core/compile/lifecycle.py",
+        "                    r._replan = True\n",
+        "                    r._replan = False\n",
+        (("privateuse1", ("tests/test_device_fit.py",)),),
+    ),
+    Mutation(
+        "ah", "device placement: a fake constant is moved to the device with its real value (the emulated device "
+        "cannot make a fake of an empty device tensor: DynamicCache's start fails)",
+        "magi_core/passes/device_placement.py",
+        "                    if getattr(t, \"constant\", None) is not None:",
+        "                    if False:",
+        (("privateuse1", ("tests/test_generate.py",)),),
+    ),
 )
 
 

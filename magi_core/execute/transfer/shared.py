@@ -45,9 +45,11 @@ class SharedBuffer:
 
     def ensure(self, nbytes: int, alloc: Callable[[int], torch.Tensor], stream: Any) -> torch.Tensor | None:
         """The buffer, sized for the largest of ``nbytes`` and the sharers' plans (made again when that changed:
-        the old one is freed first, after every sharer's queued work). ``alloc`` allocates on ``stream``."""
+        the old one is freed first, after every sharer's queued work; None once no plan needs one, so a buffer a
+        warm-up needed is not kept next to the resident weights of plans that stream nothing). ``alloc``
+        allocates on ``stream``."""
         need = max([nbytes, *(s.buffer_bytes for s in self._sharers)])
-        if need == self.nbytes or need == 0:
+        if need == self.nbytes:
             return self.tensor
         if self.tensor is not None:
             # every sharer drops its views (carried copies too); the host waits for the work queued on the old
@@ -57,6 +59,8 @@ class SharedBuffer:
             for ev in done:
                 ev.synchronize()
             self.tensor = None
+        if need == 0:
+            return None
         self.tensor = alloc(need)
         # the allocator orders the new block after earlier work only on the allocating stream: other streams
         # wait for this point before they first write or read it

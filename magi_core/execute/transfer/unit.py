@@ -159,7 +159,7 @@ class UnitTransfer(PerTensorTransfer):
         ]
         self.buffer_bytes = packing.total
         if self.shared is not None:
-            self._buffer = self.shared.ensure(packing.total, self._alloc, self.copy_stream) if packing.total else None
+            self._buffer = self.shared.ensure(packing.total, self._alloc, self.copy_stream)
         elif packing.total:
             self._buffer = self._alloc(packing.total)
 
