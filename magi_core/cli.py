@@ -135,13 +135,15 @@ def format_report(report: dict[str, Any], verbose: int = 0) -> str:
 
 
 def _format_check(check: dict[str, Any]) -> str:
-    """The ``--check`` section: each problem with its fix, then the notes."""
-    problems = check["problems"]
+    """The ``--check`` section: each problem with its fix, what was skipped without the device, then the notes."""
+    problems, skipped = check["problems"], check.get("skipped", [])
     lines = [f"check of backend {check['backend']!r}: "
-             + ("no problems found" if not problems else f"{len(problems)} problem(s)")]
+             + ("no problems found" if not problems else f"{len(problems)} problem(s)")
+             + (f"; {len(skipped)} check(s) skipped: its device is absent here" if skipped else "")]
     for i, p in enumerate(problems, 1):
         lines.append(f"  {i}. {p['hook']}: {p['what']}")
         lines.append(f"     fix: {p['fix']}")
+    lines += [f"  skipped: {n}" for n in skipped]
     lines += [f"  note: {n}" for n in check["notes"]]
     if check["initialised"] is not None:
         lines.append(f"  device initialised after the check: {'yes' if check['initialised'] else 'no'}")

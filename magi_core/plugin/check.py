@@ -48,6 +48,8 @@ class CheckReport:
     problems: list[Problem] = field(default_factory=list)
     #: Facts worth knowing that are not problems (capabilities, defaults applied).
     notes: list[str] = field(default_factory=list)
+    #: Checks that need the device and could not be made here (the device is absent), each with why.
+    skipped: list[str] = field(default_factory=list)
     #: The device module's ``is_initialized()`` after the check (None when it could not be asked).
     initialised: bool | None = None
 
@@ -67,18 +69,24 @@ class CheckReport:
             "ok": self.ok,
             "problems": [{"hook": p.hook, "what": p.what, "fix": p.fix} for p in self.problems],
             "notes": list(self.notes),
+            "skipped": list(self.skipped),
             "initialised": self.initialised,
         }
 
     def format(self) -> str:
         """Human-readable form: one entry per problem with its fix, then the notes."""
+        lines = [self.headline()]
+        lines += [f"  {i}. " + str(p).replace("\n", "\n  ") for i, p in enumerate(self.problems, 1)]
+        lines += [f"  skipped: {n}" for n in self.skipped]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def headline(self) -> str:
+        """``check of backend 'X': N problem(s)`` (or none), and how many checks were skipped without the device."""
         head = f"check of backend {self.backend!r}: " + (
             "no problems found" if self.ok else f"{len(self.problems)} problem(s)"
         )
-        lines = [head]
-        lines += [f"  {i}. " + str(p).replace("\n", "\n  ") for i, p in enumerate(self.problems, 1)]
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return head + (f"; {len(self.skipped)} check(s) skipped: its device is absent here" if self.skipped else "")
 
 
 def _call(report: CheckReport, rec: BackendRecord, hook: str) -> tuple[bool, Any]:
@@ -219,13 +227,13 @@ def check_backend(name: str, records: dict[str, BackendRecord] | None = None) ->
     if rec.probe_error is not None:
         report.add("magi_probe", f"raised {type(rec.probe_error).__name__}: {rec.probe_error}",
                    "return ProbeResult(available=False, reason=...) instead of raising")
-    elif rec.probe is not None and not rec.probe.available:
-        report.add("magi_probe", f"reports the backend unavailable here: {rec.probe.reason or 'no reason given'}",
-                   "act on that reason (or run the check where the device is present)")
-        report.notes.append("the backend is unavailable here, so the other checks ran without its device (and maybe "
-                            "without its vendor extension): problems with the device module or the aliases may "
-                            "follow from that (e.g. the placeholder classes a torch build without that accelerator "
-                            "has); run the check where the device is present")
+    absent = rec.probe_error is None and rec.probe is not None and not rec.probe.available
+    if absent:  # not a fault of the backend: what needs the device is skipped, said as such
+        assert rec.probe is not None
+        report.skipped.append(
+            f"the device: magi_probe reports it unavailable here ({rec.probe.reason or 'no reason given'}); run the "
+            "check where the device is present to check the device module against it"
+        )
     if ("magi_range_push" in rec.callers) != ("magi_range_pop" in rec.callers):
         have, lack = (("magi_range_push", "magi_range_pop") if "magi_range_push" in rec.callers
                       else ("magi_range_pop", "magi_range_push"))
@@ -234,7 +242,12 @@ def check_backend(name: str, records: dict[str, BackendRecord] | None = None) ->
     _check_aliases(report, rec)
     ok, module = _call(report, rec, "magi_device_module")
     if ok:
-        report.problems += check_device_module(module)
+        found = check_device_module(module)
+        if absent:  # e.g. the placeholder classes of a torch build without that accelerator: not conclusive here
+            report.skipped += [f"{p.hook}: {p.what} (without the device this may be a placeholder; where the "
+                               f"device is present, fix: {p.fix})" for p in found]
+        else:
+            report.problems += found
     _check_capabilities(report, rec)
     _check_device_memory(report, rec, module if ok else None)
     is_init = getattr(module, "is_initialized", None) if ok else None

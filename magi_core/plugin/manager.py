@@ -529,9 +529,9 @@ class Registry:
                 rec, how = self.choose()
                 self._active = self._facade(rec, how)
                 if rec.device_type == "cpu" and how == "probe":
-                    if not self._logged_cpu:
-                        self._logged_cpu = True
-                        logger.warning("%s", cpu_fallback_message(self.records(), rec))
+                    if not self._logged_cpu:  # expected on a machine without an accelerator: info, once
+                        self._logged_cpu = True  # (a refused backend was already logged as a warning)
+                        logger.info("%s", cpu_fallback_message(self.records(), rec))
                 else:
                     logger.info("magi-core uses backend %r (%s %s, selected by %s)", rec.name, rec.package,
                                 rec.package_version, how)
