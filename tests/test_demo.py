@@ -109,3 +109,16 @@ def test_resident_run_that_does_not_fit_is_skipped_and_errors_use_the_eager_refe
     row = [line for line in out.splitlines() if line.startswith("BASE r=0")][0]
     assert "0.00e+00" in row  # eager units against the block-wise eager reference: identical
     torch._dynamo.reset()
+
+
+def test_timings_are_printed_only_on_an_accelerator():
+    rows = [_row("resident", 0.0, None), _row("BASE r=0", 1e-7, None)]
+    on_host = demo.table_columns(rows, is_accelerator=False)
+    on_device = demo.table_columns(rows, is_accelerator=True)
+    for column in ("step ms", "planned ms", "peak dev MB", "copy GB/s"):
+        assert column not in on_host and column in on_device
+    assert "correct" in on_host and "correct" in on_device
+    refs = demo.References(eager=torch.ones(4), fp32=None)
+    ok, _ = demo.check(rows, refs, torch.float32)
+    assert ok and [r.correct for r in rows] == [None, True]
+    assert demo.format_table(rows, on_host).splitlines()[-1].split()[-1] == "yes"
