@@ -240,6 +240,8 @@ def test_training_mode_and_grad_inputs_are_called_out(shm_dir: str) -> None:
         x = example_input(SPEC, tokens=6).requires_grad_(True)
         with pytest.warns(UserWarning, match="without autograd"):
             out = model(x)
-        assert not out.requires_grad
+        with pytest.raises(MagiError, match="inference only"):
+            out.sum().backward()
+        assert x.grad is None
     finally:
         magi_core.release(model)

@@ -20,7 +20,7 @@ import magi_core.api as api
 import magi_core.compile.backend as compile_backend
 import magi_core.config as config_module
 from magi_core.config import OffloadConfig
-from magi_core.errors import ConfigError
+from magi_core.errors import ConfigError, MagiError
 from magi_core.plan import register_policy, unregister_policy
 from magi_core.plan.contract import Plan, UnitProfile
 from magi_core.plan.registry import get_scheduler
@@ -196,3 +196,48 @@ def test_planning_rest_keeps_every_field() -> None:
     assert (cfg.planned_resident_share, rest.planned_resident_share) == (0.5, 0.25)
     assert rest.replace(lookahead=2).planned_resident_share == 0.5  # a replaced copy plans with the ratio again
 
+
+
+# -- backward through an offloaded model says it is inference only ------------------------------------------------
+
+class TwoOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h, h.argmax(-1), {"sum": h.sum(-1)}  # type: ignore[return-value]
+
+
+def test_backward_through_an_offloaded_model_says_inference_only(shm_dir: Path) -> None:
+    model = Stack().eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        ref = model(x)
+    magi_core.offload(model, CFG)
+    try:
+        out = model(x)  # grad enabled, as a training loop would call it
+        torch.testing.assert_close(out.detach(), ref)
+        with pytest.raises(MagiError, match=r"Stack is offloaded, which is inference only.*Train without offloading"):
+            out.pow(2).mean().backward()
+        assert all(p.grad is None for p in model.parameters())
+        out.add_(1)  # the output is still an ordinary tensor to compute with
+        with torch.no_grad():
+            assert not model(x).requires_grad  # no marking where no gradient is asked for
+    finally:
+        magi_core.release(model)
+
+
+def test_every_floating_output_carries_the_error(shm_dir: Path) -> None:
+    model = TwoOut().eval()
+    x = torch.randn(2, 16)
+    magi_core.offload(model, CFG)
+    try:
+        h, idx, extra = model(x)
+        assert h.requires_grad and extra["sum"].requires_grad and not idx.requires_grad
+        for t in (h, extra["sum"]):
+            with pytest.raises(MagiError, match="inference only"):
+                t.sum().backward()
+    finally:
+        magi_core.release(model)

@@ -280,6 +280,71 @@ def graph_break_error(exc: BaseException, model_name: str) -> MagiError:
                                              reason=exc))
 
 
+class _InferenceOnly(torch.autograd.Function):
+    """Gives the outputs of an offloaded forward, called with grad enabled, a backward that says why there is no
+    gradient (instead of torch's "does not require grad"): the offloaded forward runs without autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, model_name: str, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.model_name = model_name
+        return tuple(t.detach() for t in outputs)  # the same storage: no copy
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise MagiError(
+            f"{ctx.model_name} is offloaded, which is inference only: its forward ran without autograd, so backward() "
+            "cannot reach its weights or inputs. Train without offloading; for inference call the model under "
+            "torch.no_grad() or torch.inference_mode()"
+        )
+
+
+#: The leaf that makes :class:`_InferenceOnly`'s outputs part of the autograd graph (its grad is never computed).
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+def mark_inference_only(out: Any, model_name: str) -> Any:
+    """``out`` with its floating-point tensors (that do not already require grad) given a backward that raises
+    :class:`~magi_core.errors.MagiError` saying the model is inference only; tuples and lists are rebuilt, dicts
+    updated in place. Called only with grad enabled (a few microseconds a call)."""
+    found: list[torch.Tensor] = []
+    _collect(out, found)
+    if not found:
+        return out
+    marked = dict(zip(map(id, found), _InferenceOnly.apply(_ANCHOR, model_name, *found), strict=True))
+    return _swap(out, marked)
+
+
+def _wants_mark(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad
+
+
+def _collect(value: Any, found: list[torch.Tensor]) -> None:
+    if _wants_mark(value):
+        if all(value is not f for f in found):
+            found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect(v, found)
+
+
+def _swap(value: Any, marked: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return marked.get(id(value), value)
+    if isinstance(value, list):
+        value[:] = [_swap(v, marked) for v in value]
+        return value
+    if isinstance(value, tuple):
+        items = [_swap(v, marked) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        for k, v in list(value.items()):
+            value[k] = _swap(v, marked)
+    return value
+
+
 def _any_requires_grad(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.requires_grad
@@ -328,15 +393,16 @@ class OffloadedForward:
         if not self._called:
             if torch.is_grad_enabled() and _any_requires_grad((args, kwargs)):
                 warnings.warn(
-                    f"{self.model_name} is offloaded: the forward runs without autograd (inference only), so its "
-                    "outputs do not require grad even though an input does; run it under torch.no_grad() or "
+                    f"{self.model_name} is offloaded: the forward runs without autograd (inference only), so no "
+                    "gradient reaches an input or a weight (backward() raises); run it under torch.no_grad() or "
                     "torch.inference_mode(), and train without offloading", stacklevel=2,
                 )
             with self._first_call:
                 out = self._call(args, kwargs)
                 self._called = True
-                return out
-        return self._call(args, kwargs)
+        else:
+            out = self._call(args, kwargs)
+        return mark_inference_only(out, self.model_name) if torch.is_grad_enabled() else out
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         subs: dict[int, torch.Tensor] = {}
