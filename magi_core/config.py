@@ -380,9 +380,10 @@ def resolve_config(
     """The effective config: defaults < ``MAGI_OFFLOAD_*`` < ``config``'s explicit fields < ``options``.
 
     ``options`` are applied on ``config`` and count as explicit; the environment then fills only the fields
-    neither set (see :meth:`OffloadConfig.from_env`). The result is marked resolved: resolving it again without
-    ``options`` (or ``environ``) returns it unchanged, so the environment is applied once however many layers
-    (``offload``, ``compile_offloaded``, the Dynamo backend) pass the config on.
+    neither set (see :meth:`OffloadConfig.from_env`). Each entry point resolves once on the way in
+    (``offload`` / ``load``, ``compile_offloaded``, or the Dynamo backend for ``torch.compile(backend=
+    "magi_offload")``) and hands the result down; the result is marked resolved, and resolving it again without
+    ``options`` (or ``environ``) returns it unchanged.
     """
     if config is not None and config._resolved and not options and environ is None:
         return config
