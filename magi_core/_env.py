@@ -101,6 +101,21 @@ def parse_gib_bytes(text: str) -> int:
     return int(value)
 
 
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'X'?)"`` for the choice closest to ``value`` (any case), or ``""`` when none is close."""
+    pool = {str(c).lower(): str(c) for c in choices}
+    hit = difflib.get_close_matches(value.strip().lower(), list(pool), n=1, cutoff=0.6)
+    return f" (did you mean {pool[hit[0]]!r}?)" if hit else ""
+
+
+def parse_choice(text: str, choices: Sequence[str]) -> str:
+    """``text`` (any case, blanks stripped) when it is one of ``choices`` (lower-case); else a did-you-mean."""
+    word = text.strip().lower()
+    if word in choices:
+        return word
+    raise ValueError(f"not one of {' / '.join(map(repr, choices))}{did_you_mean(word, choices)}")
+
+
 # -- variable -> value (ConfigError) ------------------------------------------------------------------------
 def env_str(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """Variable ``name`` with surrounding blanks removed; None when unset or blank."""
@@ -254,6 +269,7 @@ __all__ = [
     "PREFIX",
     "TRUE_WORDS",
     "closest_env_name",
+    "did_you_mean",
     "env_bool",
     "env_float",
     "env_gib_bytes",
@@ -263,6 +279,7 @@ __all__ = [
     "is_known_env_name",
     "parse_bool",
     "parse_bytes",
+    "parse_choice",
     "parse_float",
     "parse_gib_bytes",
     "parse_int",

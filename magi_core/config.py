@@ -13,13 +13,12 @@ a warning naming the closest valid one.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, ClassVar
@@ -28,8 +27,10 @@ from magi_core._env import (
     GIB,
     MIB,
     OFFLOAD_PREFIX,
+    did_you_mean,
     parse_bool,
     parse_bytes,
+    parse_choice,
     parse_float,
     parse_int,
     register_env_names,
@@ -85,32 +86,29 @@ def normalize_policy(value: Policy | str) -> Policy | str:
     return Policy[name] if name in Policy.__members__ else name
 
 
+#: Which policy names a scheduler exists for now (built-in, registered, entry points): installed by
+#: :mod:`magi_core.plan.registry`, a floor up, so that configs check a plugin policy's name on construction.
+_policy_names: Callable[[], Sequence[str]] | None = None
+
+
+def use_policy_names(lookup: Callable[[], Sequence[str]]) -> None:
+    """Let configs check policy names that are not built-in with ``lookup`` (the policy registry's)."""
+    global _policy_names
+    _policy_names = lookup
+
+
 def _check_policy_name(policy: Policy | str) -> None:
-    """Refuse a policy name no scheduler answers to (:class:`ConfigError` with a did-you-mean).
-
-    Built-in names never look further; another name is looked up among the policies registered now
-    (:func:`magi_core.plan.register_policy` and the ``magi.policies`` entry points), so a plugin policy must be
-    registered before a config naming it is built.
-    """
-    if isinstance(policy, Policy):
+    """Refuse a policy name no scheduler answers to, with a did-you-mean; built-in names are never looked up, so a
+    plugin policy must be registered before a config naming it is built."""
+    if isinstance(policy, Policy) or _policy_names is None:
         return
-    from magi_core.plan.registry import known_policies  # the registry imports this module
-
-    known = known_policies()
-    if policy in known:
-        return
-    raise ConfigError(
-        f"unknown offload policy {policy!r} (OffloadConfig.policy){did_you_mean(policy, known)}; known policies: "
-        f"{', '.join(known)}. A plugin policy must be registered first: magi_core.plan.register_policy("
-        f"{policy.lower()!r}, SchedulerClass) or an entry point in the 'magi.policies' group"
-    )
-
-
-def did_you_mean(value: str, choices: Iterable[str]) -> str:
-    """``" (did you mean 'X'?)"`` for the choice closest to ``value`` (any case), or ``""`` when none is close."""
-    pool = {str(c).lower(): str(c) for c in choices}
-    hit = difflib.get_close_matches(value.strip().lower(), list(pool), n=1, cutoff=0.6)
-    return f" (did you mean {pool[hit[0]]!r}?)" if hit else ""
+    known = _policy_names()
+    if policy not in known:
+        raise ConfigError(
+            f"unknown offload policy {policy!r} (OffloadConfig.policy){did_you_mean(policy, known)}; known policies: "
+            f"{', '.join(known)}. A plugin policy must be registered first: magi_core.plan.register_policy("
+            f"{policy.lower()!r}, SchedulerClass) or an entry point in the 'magi.policies' group"
+        )
 
 
 @dataclass(frozen=True)
@@ -516,23 +514,20 @@ def _opt_int(name: str, value: Any) -> int | None:
 
 
 def _opt_bytes(name: str, value: Any) -> int | None:
-    """A byte-size field: None, an int, or a size such as ``"512MiB"`` / ``"2GB"`` (:func:`parse_bytes`, the
-    parser the environment uses)."""
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() in ("", "none", "null"):
-            return None
-        try:
-            return parse_bytes(text)
-        except ValueError as exc:
-            raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid: {exc}") from None
-    return _opt_int(name, value)
+    """A byte-size field: None, an int, or a size such as ``"512MiB"`` / ``"2GB"`` (the environment's parser)."""
+    if not isinstance(value, str):
+        return _opt_int(name, value)
+    try:
+        return None if value.strip().lower() in ("", "none", "null") else parse_bytes(value)
+    except ValueError as exc:
+        raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid: {exc}") from None
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    """``value`` (any case, blanks stripped) when it is one of ``choices``; else :class:`ConfigError` saying which
-    are valid, with a did-you-mean."""
-    if isinstance(value, str) and value.strip().lower() in choices:
-        return value.strip().lower()
-    near = did_you_mean(value, choices) if isinstance(value, str) else ""
-    raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid{near}; valid: {' / '.join(map(repr, choices))}")
+    """``value`` normalised when it is one of ``choices``; else :class:`ConfigError` with a did-you-mean."""
+    try:
+        if isinstance(value, str):
+            return parse_choice(value, choices)
+        raise ValueError(f"not one of {' / '.join(map(repr, choices))}")
+    except ValueError as exc:
+        raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid: {exc}") from None

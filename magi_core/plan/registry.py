@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import importlib_metadata
 
-from magi_core.config import OffloadConfig, Policy, normalize_policy
+from magi_core.config import OffloadConfig, Policy, normalize_policy, use_policy_names
 from magi_core.errors import ConfigError
 from magi_core.plan.contract import Plan, UnitProfile
 from magi_core.plan.heuristic import HeuristicScheduler
@@ -157,3 +157,6 @@ def build_plan(profiles: Sequence[UnitProfile], bandwidth_Bps: float, config: Of
     plan = get_scheduler(config.policy).plan(list(profiles), bandwidth_Bps, config)
     plan.validate(profiles)
     return plan
+
+
+use_policy_names(lambda: known_policies())  # configs check plugin policy names on construction
