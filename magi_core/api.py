@@ -50,7 +50,10 @@ def offload(model: M, config: OffloadConfig | None = None, *, host_options: Host
     offloaded forward runs without autograd. A model built on the meta device: use :func:`load`.
     ``methods``: other methods of the model that callers use instead of ``forward`` and that must run offloaded
     too, e.g. ``("decode",)`` for a diffusers ``AutoencoderKL`` (pipelines call ``vae.decode``); each compiles
-    to its own graph, on the same host weights and device budget.
+    to its own graph, on the same host weights and device budget. The config is resolved once, here (the
+    environment applied, see :func:`~magi_core.config.resolve_config`). A wrong argument (a dict for the config, a
+    config field as a keyword) is a :class:`~magi_core.errors.ConfigError` naming what to pass, raised before any
+    host work; under torch.distributed one rank's wrong argument raises on every rank at once.
     """
     return _offload(model, config, host_options, compile_kwargs, "offload", methods=methods)
 
