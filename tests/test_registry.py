@@ -80,7 +80,7 @@ def test_cpu_is_chosen_by_probe_without_accelerator_and_logged_once(
     assert (backend.name, backend.selected_by, backend.device_type) == ("cpu", "probe", "cpu")
     assert not backend.is_accelerator
     cpu_logs = [r for r in caplog.records if "CPU backend" in r.getMessage()]
-    assert len(cpu_logs) == 1 and cpu_logs[0].levelno == logging.WARNING
+    assert len(cpu_logs) == 1 and cpu_logs[0].levelno == logging.INFO  # expected here: said, not warned
 
 
 def test_env_selects_and_explicit_beats_env(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
