@@ -38,16 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(transformers LlamaForCausalLM, Llama-3-8B), wan14b (diffusers WanTransformer3DModel, "
                              "Wan2.1-14B blocks) and flux (diffusers FluxTransformer2DModel, FLUX.1-dev) run at their "
                              "own regime token counts unless --tokens is given, and tiny on the cpu backend")
-    parser.add_argument("--systems", type=_csv(str), default=SYSTEMS,
-                        help=f"comma list of systems (default all: {','.join(SYSTEMS)})")
-    parser.add_argument("--policies", type=_csv(str), default=("HEURISTIC", "COST_EFFECTIVE", "BASE"),
-                        help="magi-core policies, run in this order (default all three)")
+    parser.add_argument("--systems", type=_csv(str), default=None,
+                        help=f"comma list of systems (default all: {','.join(SYSTEMS)}; --generate: "
+                             "resident_compiled,magi,accelerate)")
+    parser.add_argument("--policies", type=_csv(str), default=None,
+                        help="magi-core policies, run in this order (default all three; --generate: HEURISTIC)")
     parser.add_argument("--grid", choices=GRIDS, default="core",
                         help="core (default): the first policy at every ratio and budget, the others at the budgets; "
                              "full: every policy at every ratio and budget")
-    parser.add_argument("--ratios", type=_csv(float), default=(0.0, 0.25, 0.5),
-                        help="gpu_resident_weight_ratio values (default 0,0.25,0.5)")
-    parser.add_argument("--budgets", type=_csv(float), default=(0.5,),
+    parser.add_argument("--ratios", type=_csv(float), default=None,
+                        help="gpu_resident_weight_ratio values (default 0,0.25,0.5; --generate: 0,0.9)")
+    parser.add_argument("--budgets", type=_csv(float), default=None,
                         help="device-memory budgets as fractions of the weight bytes (default 0.5)")
     parser.add_argument("--tokens", type=_csv(int), default=None,
                         help="token counts of every model (default 2048,16384 on accelerators, 16,64 on the cpu "
@@ -98,13 +99,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="result JSON (default benchmarks/results/<date>-<hardware>.json)")
     parser.add_argument("--report", type=Path, default=None, metavar="MARKDOWN",
                         help="also write the Markdown report (and a PNG plot next to it) from this run")
+    generate = parser.add_argument_group(
+        "generate", "--generate: greedy model.generate of llama8b per system, each system in a process of its own: "
+                    "prefill ms, decode ms per token against the streaming ideal, tokens/s, peaks, compiles, tokens "
+                    "against the resident model's (magi_core.bench.generate)")
+    generate.add_argument("--generate", action="store_true", help="run the generate benchmark")
+    generate.add_argument("--prompt-tokens", type=int, default=None,
+                          help="prompt length (default 2048 on accelerators, 16 on the cpu backend)")
+    generate.add_argument("--new-tokens", type=int, default=None, help="new tokens per sequence (default 32)")
+    generate.add_argument("--batch", type=int, default=None, help="sequences generated together (default 1)")
+    generate.add_argument("--cache", choices=("dynamic", "static"), default=None,
+                          help="KV cache: dynamic (DynamicCache, the default) or static (StaticCache)")
+    generate.add_argument("--accelerate-budget", type=float, default=None, metavar="FRACTION",
+                          help="accelerate's max_memory on the device as a fraction of the weight bytes, the rest "
+                               "offloaded to the host (default 0.5)")
+    generate.add_argument("--accelerate-max-time", type=float, default=None, metavar="S",
+                          help="seconds accelerate's timed generate may take (max_time; default 60)")
+    generate.add_argument("--in-process", action="store_true",
+                          help="run every system in this process instead of one process per system")
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """Build :class:`BenchOptions` from parsed ``magi bench`` arguments."""
     return BenchOptions(
-        models=tuple(args.models), systems=tuple(args.systems), policies=tuple(p.upper() for p in args.policies),
-        ratios=tuple(args.ratios), budgets=tuple(args.budgets), steps=args.steps, warmup=args.warmup,
+        models=tuple(args.models), systems=_given(args.systems, BenchOptions.systems),
+        policies=tuple(p.upper() for p in _given(args.policies, BenchOptions.policies)),
+        ratios=_given(args.ratios, BenchOptions.ratios), budgets=_given(args.budgets, BenchOptions.budgets),
+        steps=args.steps, warmup=args.warmup,
         dtype=args.dtype, quick=args.quick, tokens=tuple(args.tokens) if args.tokens else None,
         mlp_hidden=args.mlp_hidden, mlp_layers=args.mlp_layers, tf_hidden=args.tf_hidden, tf_layers=args.tf_layers,
         tf_heads=args.tf_heads, probe_bytes=args.probe_mb << 20 if args.probe_mb else None,
@@ -114,6 +135,10 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         device_memory=args.device_memory, magi_default=args.magi_default, host_timing=not args.no_host_timing,
         accelerate_device_map=args.accelerate_device_map, compile_backend=args.compile_backend, out=args.out,
     )
+
+
+def _given(value: Any, default: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(value) if value is not None else default
 
 
 def _repo_root() -> Path:
@@ -130,6 +155,13 @@ def main(args: argparse.Namespace) -> int:
     from magi_core.plugin.manager import get_backend
 
     try:
+        if getattr(args, "generate", False):
+            from magi_core.bench import generate
+
+            return generate.main(args, _repo_root())
+        from magi_core.bench.generate.options import check_flags
+
+        check_flags(args)
         options = options_from_args(args)
         backend = get_backend()
         if options.out is None:

@@ -286,12 +286,21 @@ def _prepare_accelerate_device_map(workload: Workload, backend: Backend, device_
     """accelerate's ``infer_auto_device_map`` + ``dispatch_model`` within ``device_bytes`` of the device."""
     if not backend.is_accelerator:
         raise SystemSkipped("accelerate's device_map places weights on an accelerator: the cpu backend has none")
+    t0 = time.perf_counter()
+    max_memory = accelerate_max_memory(device_bytes, workload.weight_bytes, backend.device_index())
+    model, info = dispatch_accelerate(workload, backend, max_memory)
+    return Prepared(_no_grad(model), time.perf_counter() - t0, 1, info=info, host_timing=False)
+
+
+def dispatch_accelerate(workload: Workload, backend: Backend,
+                        max_memory: dict[int | str, int]) -> tuple[nn.Module, dict[str, Any]]:
+    """A fresh model placed by accelerate's ``infer_auto_device_map`` within ``max_memory`` and dispatched with
+    ``dispatch_model`` (modules placed on the host run on the device, their weights copied in for each call); the
+    model and what the result records about it (resident and streamed bytes, the offloaded modules)."""
     from accelerate import dispatch_model, infer_auto_device_map
 
-    t0 = time.perf_counter()
     model = workload.fresh()
     index = backend.device_index()
-    max_memory = accelerate_max_memory(device_bytes, workload.weight_bytes, index)
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
     skip = getattr(model, "_skip_keys_device_placement", None)
@@ -303,11 +312,10 @@ def _prepare_accelerate_device_map(workload: Workload, backend: Backend, device_
     on_host = [m for m, d in device_map.items() if d in ("cpu", "disk")]
     streamed = sum(n for name, n in sizes.items()
                    if any(m == "" or name == m or name.startswith(m + ".") for m in on_host))
-    return Prepared(_no_grad(model), time.perf_counter() - t0, 1,
-                    info={"resident_bytes": workload.weight_bytes - streamed, "streamed_bytes": streamed,
-                          "units": len(device_map), "accelerate_device_map": True,
-                          "accelerate_max_memory": {str(k): v for k, v in max_memory.items()},
-                          "accelerate_offloaded_modules": len(on_host)}, host_timing=False)
+    return model, {"resident_bytes": workload.weight_bytes - streamed, "streamed_bytes": streamed,
+                   "units": len(device_map), "accelerate_device_map": True,
+                   "accelerate_max_memory": {str(k): v for k, v in max_memory.items()},
+                   "accelerate_offloaded_modules": len(on_host)}
 
 
 def prepare(workload: Workload, backend: Backend, spec: SystemSpec, compile_on_cpu: bool = False,
