@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|cap-grid|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|cap-grid|generate|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset). The device tool brings back at most 8 files, so
@@ -144,5 +144,15 @@ if [ "$what" = cap-grid ]; then  # step time against card size (benchmarks/cap_g
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+if [ "$what" = generate ]; then  # issue 34 item 3: llama8b generate (magi bench --generate), one process per system,
+  # one JSON: the compiled resident model, magi-core HEURISTIC at ratio 0, half the weights and ratio 0.9, accelerate
+  # device_map with half the weights offloaded to the host (its timed generate at most MAGI_GEN_ACCEL_S seconds); no
+  # system starts after MAGI_GEN_BUDGET seconds (each process may take what is left), so one 10-minute call holds it
+  python3 -m magi_core bench --generate --models llama8b --prompt-tokens 2048 --new-tokens 32 --batch 1 \
+    --cache dynamic --systems resident_compiled,magi,accelerate --policies HEURISTIC --ratios 0,0.9 --budgets 0.5 \
+    --accelerate-budget 0.5 --accelerate-max-time "${MAGI_GEN_ACCEL_S:-60}" --time-budget "${MAGI_GEN_BUDGET:-500}" \
+    --out "$OUT/generate-llama8b-h200.json" > "$OUT/generate.log" 2>&1 || rc=1
+  tail -n 12 "$OUT/generate.log"
 fi
 exit $rc

@@ -1,14 +1,17 @@
 """Sections of the benchmarks page (``docs/benchmarks.md``, and ``report.py``'s Markdown) for the results of the
 scripts in this folder that are not ``magi bench`` runs (``report.py`` appends them): two ranks with one host copy
-(``llama70b_two_gpus.py``), loading a checkpoint (``load_rate.py``), expert parallelism (``moe_ep.py``) and time to
-the first step against the peers' loaders (``first_step_vs_peers.py``). Each is recognised by its keys; unknown
-documents are left out."""
+(``llama70b_two_gpus.py``), loading a checkpoint (``load_rate.py``), expert parallelism (``moe_ep.py``), time to
+the first step against the peers' loaders (``first_step_vs_peers.py``), the card-size grid (``cap_grid.py``), and
+``magi bench --generate`` (one process per system, merged: rendered by :mod:`magi_core.bench.generate.report`).
+Each is recognised by its keys; unknown documents are left out."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from magi_core.bench.generate.report import INTRO as GENERATE_INTRO
+from magi_core.bench.generate.report import generate_markdown, is_generate_doc
 from magi_core.bench.report import human_bytes
 
 
@@ -216,6 +219,7 @@ SECTIONS: tuple[tuple[Callable[[dict[str, Any]], bool], str, str, Callable[[dict
      "card of that size; `none` is the whole card. x ideal: the step against max(the uncapped resident compiled "
      "step, the bytes it streams / its process's pinned link rate); card floor: max(that compute, (weights - card) "
      "/ link), what any system must stream at that size.", cap_grid_run),
+    (is_generate_doc, "Generate: prefill and decode (`magi bench --generate`)", GENERATE_INTRO, generate_markdown),
 )
 
 
@@ -228,7 +232,8 @@ def scripts_markdown(docs: Sequence[dict[str, Any]]) -> list[str]:
     """A section per kind present in ``docs``, its runs newest first."""
     lines: list[str] = []
     for recognise, title, intro, run in SECTIONS:
-        mine = sorted((d for d in docs if recognise(d)), key=lambda d: d.get("date", ""), reverse=True)
+        mine = sorted((d for d in docs if recognise(d)), key=lambda d: d.get("date") or (d.get("env") or {}).get(
+            "date") or "", reverse=True)
         if mine:
             lines += [f"## {title}", "", intro, ""]
             for doc in mine:
