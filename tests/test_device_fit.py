@@ -107,6 +107,43 @@ def test_default_plan_keeps_no_more_than_the_step_needs(device_cap) -> None:
         magi_core.release(model, restore=True)
 
 
+class WideEnds(nn.Module):
+    """Two 64 MiB ends (an embedding and an LM head, as in a language model) around eight 16 MiB blocks: fewer
+    resident weights can need a larger copy buffer (two ends in flight at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(DIM, 4 * DIM, bias=False)
+        self.down = nn.Linear(4 * DIM, DIM, bias=False)
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM, bias=False) for _ in range(8))
+        self.tail = nn.Linear(DIM, 4 * DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.down(torch.tanh(self.head(x)))
+        for block in self.blocks:
+            x = torch.tanh(block(x)) + x
+        return self.tail(x)
+
+
+@pytest.mark.parametrize("spare_mib", [180, 220])
+def test_the_least_memory_plan_holds_less_than_the_fastest_and_fits(device_cap, spare_mib: int) -> None:
+    """The default plan trims residency the step does not need; streaming the trimmed units can need a larger copy
+    buffer, so a trimmed plan is taken only when it holds less, never more than the device can spare."""
+    cap = device_cap(spare_mib * MIB)
+    model = WideEnds().eval()
+    try:
+        out, ref = _run(model, OffloadConfig(unit_compiler="eager"))
+        torch.testing.assert_close(out, ref)
+        (stats,) = magi_core.handle(model).stats()
+        assert stats.device_budget_bytes is not None
+        assert stats.resident_bytes + stats.transfer_buffer_bytes <= stats.device_budget_bytes
+        assert stats.predicted_peak_bytes is not None and stats.predicted_peak_bytes <= cap
+        assert stats.measured_peak_bytes is not None and stats.measured_peak_bytes <= cap
+    finally:
+        magi_core.release(model, restore=True)
+
+
 def test_a_ratio_that_does_not_fit_degrades_with_a_warning(device_cap, caplog) -> None:
     device_cap(80 * MIB)
     model = Blocks().eval()

@@ -395,13 +395,19 @@ class OffloadLifecycle:
         # units no longer resident stream: room for two of them in flight
         room = 2 * max((u.nbytes for u in self.executor.units), default=0)
         for budget in (full - filler + room, full - filler // 2):
+            # fewer resident weights can need a larger copy buffer: a plan is taken only when it holds less than
+            # the fastest one, within what the device can spare
+            budget = min(budget, spare, full - 1)
+            if budget <= 0:
+                continue
             try:
-                plan = self._fit_config(config.replace(device_memory_budget_bytes=max(1, budget)), args)
+                plan = self._fit_config(config.replace(device_memory_budget_bytes=budget), args)
             except ConfigError:
                 continue
-            if plan.predicted_step_ms <= target:
+            holds = self._holds(plan, args, held)
+            if plan.predicted_step_ms <= target and holds < full:
                 logger.info("magi offload: the fastest plan within %d bytes holds %d; %d hold the same step",
-                            spare, full, self._holds(plan, args, held))
+                            spare, full, holds)
                 return plan
         return fastest
 
