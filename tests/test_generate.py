@@ -147,6 +147,25 @@ def test_greedy_generate_with_a_kv_cache_matches_eager(kind: str, cache: str, ba
         release(model, restore=True)
 
 
+def test_inductor_units_serve_every_length_of_a_growing_cache() -> None:
+    """With Inductor units (the accelerator default), the decode graph Dynamo made dynamic in the cache's length runs
+    every step with one compiled code per unit: eager's tokens, no compile per token."""
+    model, ref = _models("llama")
+    ids, mask = _prompt(1)
+    expected = _generate(ref, ids, mask, max_new_tokens=12).sequences.cpu()
+    offload(model, OffloadConfig(unit_compiler="inductor", warmup_calls=2))
+    try:
+        for _ in range(2):  # again: the graphs and their units are reused
+            out = _generate(model, ids, mask, max_new_tokens=12)
+            torch.testing.assert_close(out.sequences.cpu(), expected, rtol=0, atol=0)
+        h = handle(model)
+        assert h.compile_count == 3
+        per_graph = [rt.executor.compiled_units.compiles for rt in h.runtimes]
+        assert sum(per_graph) <= 3 * len(h.runtimes) + 6, per_graph  # a few unit structures per graph, not per token
+    finally:
+        release(model, restore=True)
+
+
 def test_static_cache_is_written_in_place_across_steps() -> None:
     """A ``StaticCache`` passed by the caller keeps its preallocated tensors: every decode step writes into the same
     device tensors (no copy of the cache per step), and they end up holding what eager generate's cache holds."""
@@ -163,7 +182,7 @@ def test_static_cache_is_written_in_place_across_steps() -> None:
         with torch.no_grad():  # the prefill alone: the cache's tensors are made, on the device
             model(ids.to(device), attention_mask=mask.to(device), **_cache_kw(model, cache), use_cache=True)
         first = [(layer.keys, layer.values) for layer in cache.layers]
-        cache.crop(-ids.shape[1])  # back to empty (StaticLayer keeps its tensors and rewinds its length)
+        cache.reset()  # back to empty: zeroed in place, the same tensors kept
         out = _generate(model, ids, mask, max_new_tokens=n, **_cache_kw(model, cache))
         torch.testing.assert_close(out.sequences.cpu(), expected.sequences.cpu(), rtol=0, atol=0)
         for (keys, values), layer, ref_layer in zip(first, cache.layers, ref_cache.layers, strict=True):

@@ -135,17 +135,74 @@ def compile_unit(module: torch.fx.GraphModule, args: Sequence[Any]) -> Callable[
     the value on every call. And without a shape environment Inductor bypasses its FX graph cache ("No shape
     env"), so every configuration, process and run would compile every unit again; with it, a unit compiled
     once (same graph, shapes, dtypes and devices) is reused from the cache.
-    Shapes stay static: one compiled unit per input shape, as the executor expects.
+
+    Shapes are static where Dynamo's graph has them static. Where it made a size dynamic (a KV cache's length
+    growing with every decode step, recorded as a symbol in the placeholders' ``val`` meta), the unit is compiled
+    for any value of that size: one compiled unit serves every step. Should Inductor specialise such a size
+    anyway, nothing would check it on later calls, so the unit runs eagerly instead.
     """
+    dynamic = _dynamic_placeholders(module)
+    if not any(dynamic):
+        static = _compile(module, args, None)
+        assert static is not None  # nothing symbolic to specialise
+        return static
+    compiled = _compile(module, args, dynamic)
+    if compiled is None:
+        logger.info("magi offload: Inductor specialised a dynamic size of a unit; it runs eagerly")
+        return eager_forward(module)
+    return compiled
+
+
+def _dynamic_placeholders(module: torch.fx.GraphModule) -> list[list[bool] | bool]:
+    """Per placeholder: for a tensor, which of its sizes Dynamo made symbolic; for an int, whether it is a symbol."""
+    out: list[list[bool] | bool] = []
+    for node in module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val", node.meta.get("example_value"))
+        if isinstance(val, torch.Tensor):
+            out.append([not isinstance(d, int) for d in val.shape])
+        else:
+            out.append(isinstance(val, torch.SymInt))
+    return out
+
+
+def _compile(module: torch.fx.GraphModule, args: Sequence[Any],
+             dynamic: list[list[bool] | bool] | None) -> Callable[..., Any] | None:
+    """Inductor's code for ``module``: static fakes of ``args``, or with the ``dynamic`` sizes and ints symbolic
+    (None when Inductor specialised one of them)."""
+    from torch._dynamo.source import LocalSource
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-    fakes = [fake_mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
+    fake_mode = FakeTensorMode(shape_env=shape_env)
+    symbols = []
+    fakes: list[Any] = []
+    for i, a in enumerate(args):
+        dyn = dynamic[i] if dynamic is not None and i < len(dynamic) else False
+        if isinstance(a, torch.Tensor):
+            if isinstance(dyn, list) and any(dyn) and len(dyn) == a.dim():
+                ctx: StatelessSymbolicContext[Any, Any] = StatelessSymbolicContext(
+                    dynamic_sizes=[DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dyn])
+                fake = fake_mode.from_tensor(a, source=LocalSource(f"unit_input_{i}"), symbolic_context=ctx)
+                symbols += [d.node.expr for d in fake.shape if isinstance(d, torch.SymInt)]  # type: ignore[attr-defined]
+                fakes.append(fake)
+            else:
+                fakes.append(fake_mode.from_tensor(a, static_shapes=True))
+        elif dyn is True and isinstance(a, int) and not isinstance(a, bool):
+            sym = shape_env.create_symbol(a, LocalSource(f"unit_int_{i}"), dynamic_dim=DimDynamic.DYNAMIC,
+                                          do_not_specialize_zero_one=True)
+            symbols.append(sym)
+            fakes.append(shape_env.create_symintnode(sym, hint=a))
+        else:
+            fakes.append(a)
     with tracing(TracingContext(fake_mode)):
         compiled: Callable[..., Any] = compile_fx(module, fakes)  # type: ignore[assignment]
+    if any(getattr(shape_env.replacements.get(sym), "is_number", False) for sym in symbols):
+        return None
     return compiled
 
 
