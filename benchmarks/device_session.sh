@@ -66,31 +66,31 @@ fi
 # diffusers wheel in .whl for wan14b); merge the parts with benchmarks/report.py --merge
 if [ "$what" = real-llama ]; then
   python3 -m magi_core bench --models llama8b --tokens 8192,16384 --grid full --ratios 0,0.5 --budgets 0.5 \
-    --systems resident_compiled,magi --no-overhead-probe --time-budget "${MAGI_BENCH_BUDGET:-380}" \
+    --systems resident_compiled,magi --no-overhead-probe --time-budget "${SESSION_BENCH_BUDGET:-380}" \
     --out "$OUT/part-llama8b-8192-16384.json" 2>&1 | tail -n 40 || rc=1
 fi
 if [ "$what" = real-wan ]; then
   python3 -m magi_core bench --models wan14b --tokens 2184,16380 --grid full --ratios 0,0.5,1 --budgets 0.5 \
-    --time-budget "${MAGI_BENCH_BUDGET:-480}" --out "$OUT/part-wan14b-2184-16380.json" 2>&1 | tail -n 40 || rc=1
+    --time-budget "${SESSION_BENCH_BUDGET:-480}" --out "$OUT/part-wan14b-2184-16380.json" 2>&1 | tail -n 40 || rc=1
 fi
 if [ "$what" = real-r0 ]; then  # ratio 0 where the rotary-table fix and the shared copy buffer show
   python3 -m magi_core bench --models wan14b --tokens 2184,16380 --policies HEURISTIC --ratios 0 --budgets "" \
-    --systems resident_compiled,magi --no-overhead-probe --time-budget "${MAGI_BENCH_BUDGET:-300}" \
+    --systems resident_compiled,magi --no-overhead-probe --time-budget "${SESSION_BENCH_BUDGET:-300}" \
     --out "$OUT/part-wan14b-r0.json" 2>&1 | tail -n 12 || rc=1
 fi
 if [ "$what" = real-gaps ]; then  # the grid's runs cut by earlier time budgets
   python3 -m magi_core bench --models llama8b --tokens 8192,16384 --policies BASE --grid full --ratios 0,0.5 --budgets 0.5 \
-    --systems magi --no-overhead-probe --time-budget "${MAGI_BENCH_BUDGET:-250}" \
+    --systems magi --no-overhead-probe --time-budget "${SESSION_BENCH_BUDGET:-250}" \
     --out "$OUT/part-llama8b-base.json" 2>&1 | tail -n 12 || rc=1
   python3 -m magi_core bench --models wan14b --tokens 2184,16380 --policies COST_EFFECTIVE,BASE --grid full --ratios 0,0.5 \
-    --budgets 0.5 --systems magi,accelerate --no-overhead-probe --time-budget "${MAGI_BENCH_BUDGET:-250}" \
+    --budgets 0.5 --systems magi,accelerate --no-overhead-probe --time-budget "${SESSION_BENCH_BUDGET:-250}" \
     --out "$OUT/part-wan14b-base-ce.json" 2>&1 | tail -n 12 || rc=1
 fi
 if [ "$what" = real-remeasure ]; then  # session 8's fixes: ratio-0 peaks (shared buffer), budgets (fit), BASE r0.5
   remeasure() { name=$1; shift; python3 -m magi_core bench --grid full --systems magi --no-overhead-probe \
       --out "$OUT/part-$name.json" "$@" 2>&1 | tail -n 6 || rc=1; }
   remeasure llama8b-budgets --models llama8b --tokens 8192,16384 --policies HEURISTIC,COST_EFFECTIVE,BASE \
-    --ratios "" --budgets 0.5 --time-budget "${MAGI_BENCH_BUDGET:-140}"
+    --ratios "" --budgets 0.5 --time-budget "${SESSION_BENCH_BUDGET:-140}"
   remeasure llama8b-base-r05 --models llama8b --tokens 8192,16384 --policies BASE --ratios 0.5 --budgets "" \
     --time-budget 60
   remeasure llama8b-h-r0 --models llama8b --tokens 8192,16384 --policies HEURISTIC --ratios 0 --budgets "" \
@@ -115,7 +115,7 @@ if [ "$what" = two-gpus ]; then  # the two-rank runs of issues 16 and 18 (nvidia
     --batch 1 --seq 256 --timeout 300 --out "$OUT/moe-ep-2xh200.json" > "$OUT/moe.log" 2>&1 || rc=1
 fi
 if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate against the page cache
-  ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/load-rate
+  ck=${SESSION_CKPT_DIR:-/tmp/magi-ckpt}/load-rate
   rm -rf "$ck"  # a run killed while writing it leaves an index naming files that are not there
   python3 benchmarks/load_rate.py --layers 32 --hidden 4096 --ffn 14336 --vocab 128256 --repeats 3 --pin \
     --also-threads "${MAGI_LOAD_THREADS:-1,4}" \
@@ -123,22 +123,22 @@ if [ "$what" = load ]; then  # an 8B-class checkpoint on local disk: load rate a
   rm -rf "$ck"
 fi
 if [ "$what" = first-step ]; then  # time to the first offloaded step against diffusers and accelerate
-  ck=${MAGI_CKPT_DIR:-/tmp/magi-ckpt}/wan14b
+  ck=${SESSION_CKPT_DIR:-/tmp/magi-ckpt}/wan14b
   rm -rf "$ck"
   python3 benchmarks/first_step_vs_peers.py --model wan14b --dir "$ck" --out "$OUT/first-step-wan14b.json" \
     --worker-timeout "${MAGI_WORKER_TIMEOUT:-300}" 2>&1 | tail -n 8 || rc=1
   rm -rf "$ck"
 fi
 if [ "$what" = cap-grid ]; then  # step time against card size (benchmarks/cap_grid.py), one process per row, resumable:
-  # each call runs rows for MAGI_CAP_BUDGET seconds and writes $OUT/cap-grid-h200.json (and the plot); put that file
-  # at benchmarks/results/cap-grid-h200.json (or MAGI_CAP_RESUME) before the next call, which resumes from it, until
-  # it reports 0 remaining. MAGI_CAP_MODELS / MAGI_CAP_CAPS / MAGI_CAP_SYSTEMS narrow it (comma lists).
-  prev=${MAGI_CAP_RESUME:-benchmarks/results/cap-grid-h200.json}
+  # each call runs rows for SESSION_CAP_BUDGET seconds and writes $OUT/cap-grid-h200.json (and the plot); put that file
+  # at benchmarks/results/cap-grid-h200.json (or SESSION_CAP_RESUME) before the next call, which resumes from it, until
+  # it reports 0 remaining. SESSION_CAP_MODELS / SESSION_CAP_CAPS / SESSION_CAP_SYSTEMS narrow it (comma lists).
+  prev=${SESSION_CAP_RESUME:-benchmarks/results/cap-grid-h200.json}
   resume=(); [ -f "$prev" ] && resume=(--resume "$prev")
-  python3 benchmarks/cap_grid.py --models "${MAGI_CAP_MODELS:-llama8b,wan14b,flux}" \
-    --caps "${MAGI_CAP_CAPS:-12GiB,16GiB,24GiB,48GiB,none}" \
-    --systems "${MAGI_CAP_SYSTEMS:-magi_default,magi_r0,diffusers,accelerate}" \
-    --time-budget "${MAGI_CAP_BUDGET:-450}" ${resume[@]+"${resume[@]}"} --out "$OUT/cap-grid-h200.json" \
+  python3 benchmarks/cap_grid.py --models "${SESSION_CAP_MODELS:-llama8b,wan14b,flux}" \
+    --caps "${SESSION_CAP_CAPS:-12GiB,16GiB,24GiB,48GiB,none}" \
+    --systems "${SESSION_CAP_SYSTEMS:-magi_default,magi_r0,diffusers,accelerate}" \
+    --time-budget "${SESSION_CAP_BUDGET:-450}" ${resume[@]+"${resume[@]}"} --out "$OUT/cap-grid-h200.json" \
     --plot "$OUT/cap-grid-h200.png" > "$OUT/cap-grid.log" 2>&1 || rc=1
   tail -n 30 "$OUT/cap-grid.log"
 fi
@@ -147,11 +147,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = generate ]; then  # issue 34 item 3: llama8b generate (magi bench --generate), one process per system,
   # one JSON: the compiled resident model, magi-core HEURISTIC at ratio 0, half the weights and ratio 0.9, accelerate
-  # device_map with half the weights offloaded to the host (its timed generate at most MAGI_GEN_ACCEL_S seconds); no
-  # system starts after MAGI_GEN_BUDGET seconds (each process may take what is left), so one 10-minute call holds it
+  # device_map with half the weights offloaded to the host (its timed generate at most SESSION_GEN_ACCEL_S seconds); no
+  # system starts after SESSION_GEN_BUDGET seconds (each process may take what is left), so one 10-minute call holds it
   python3 -m magi_core bench --generate --models llama8b --prompt-tokens 2048 --new-tokens 32 --batch 1 \
     --cache dynamic --systems resident_compiled,magi,accelerate --policies HEURISTIC --ratios 0,0.9 --budgets 0.5 \
-    --accelerate-budget 0.5 --accelerate-max-time "${MAGI_GEN_ACCEL_S:-60}" --time-budget "${MAGI_GEN_BUDGET:-500}" \
+    --accelerate-budget 0.5 --accelerate-max-time "${SESSION_GEN_ACCEL_S:-60}" --time-budget "${SESSION_GEN_BUDGET:-500}" \
     --out "$OUT/generate-llama8b-h200.json" > "$OUT/generate.log" 2>&1 || rc=1
   tail -n 12 "$OUT/generate.log"
 fi
