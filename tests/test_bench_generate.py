@@ -121,11 +121,6 @@ def test_decode_ideal_is_the_decode_graphs_streamed_bytes_over_the_link(in_proce
         budget["budget_bytes"])
 
 
-@pytest.mark.xfail(strict=True, reason="cpu backend: a resident 'device copy' is the host tensor itself (to() "
-                   "returns it); once prefill and decode graphs both planned, each refreshes the shared resident "
-                   "copies in place every call (copy_ onto itself bumps the host version counter, which the other "
-                   "graph's WeightWatch reads as a change): every step copies all weights (magi_core/execute, "
-                   "residency.ResidentSet.fill + freshness.WeightWatch)")
 def test_resident_weights_are_not_copied_again_each_decode_step(in_process: dict[str, Any]) -> None:
     r09 = next(r for r in _rows(in_process, "magi") if r["ratio"] == 0.9)
     assert r09["measured_streamed_bytes_per_token"] == r09["streamed_bytes_per_token"]

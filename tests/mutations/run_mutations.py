@@ -364,6 +364,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                    if False:",
         (("privateuse1", ("tests/test_generate.py",)),),
     ),
+    Mutation(
+        "ai", "fit the card: the least-memory plan's budget is not held within the room and below the fastest plan "
+        "(fewer resident weights can need a larger copy buffer: llama8b held 11.7 GiB on a 12 GiB card)",
+        "magi_core/compile/lifecycle.py",
+        "            budget = min(budget, spare, full - 1)",
+        "            budget = max(1, budget)",
+        (("privateuse1", ("tests/test_device_fit.py",)),),
+        extra=(("magi_core/compile/lifecycle.py", "            if plan.predicted_step_ms <= target and holds < full:",
+                "            if plan.predicted_step_ms <= target:"),),
+    ),
+    Mutation(
+        "aj", "unit compile: sizes Dynamo made symbolic are compiled static (a growing KV cache's decode step gets "
+        "code for one length)",
+        "magi_core/execute/unit_compile.py",
+        "    dynamic = _dynamic_placeholders(module)",
+        "    dynamic = [False for _ in _dynamic_placeholders(module)]",
+        (("core", ("tests/test_generate.py",)),),
+    ),
 )
 
 

@@ -163,7 +163,11 @@ class PerTensorTransfer:
         return dev
 
     def refresh(self, dev: torch.Tensor, host: torch.Tensor, compute_stream: Any) -> None:
-        """Copy ``host`` into ``dev`` on the copy stream, between the compute stream's queued and next work."""
+        """Copy ``host`` into ``dev`` on the copy stream, between the compute stream's queued and next work
+        (nothing when ``dev`` is ``host``'s own storage, as on the host backend: a copy onto itself would only bump
+        its version counter, which other runtimes' freshness checks read as an edit)."""
+        if dev.device == host.device and dev.data_ptr() == host.data_ptr():
+            return
         gate = self._event()
         gate.record(compute_stream)
         self.copy_stream.wait_event(gate)
