@@ -6,6 +6,8 @@ import dataclasses
 import gc
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -115,6 +117,40 @@ def test_release_unregisters_unmaps_and_blocks_use(shm_dir: str) -> None:
     assert all(p.numel() == 0 for p in m.parameters())
     with pytest.raises(HostStateError, match="released"):
         m(torch.randn(1, 16))
+
+
+def test_release_says_what_a_mapping_still_viewed_means(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A tensor kept from the model keeps its mapping: release says so, and that nothing needs doing."""
+    m = Net()
+    hw = materialize(m, options=OPTS)
+    kept = m.a.weight.detach()
+    with caplog.at_level(logging.WARNING, logger="magi_core.host"):
+        hw.release()
+    assert "1 host mapping(s) of the released weights" in caplog.text
+    assert "while tensors still view them" in caplog.text and "Nothing to do" in caplog.text
+    assert hw.report["released"]["still_mapped"] == 1 and not hw.unmapped()
+    del kept
+    gc.collect()
+    assert hw.unmapped()
+
+
+EXIT_SCRIPT = """
+import logging, sys, torch
+from magi_core.host import HostOptions, materialize
+logging.basicConfig(level=getattr(logging, sys.argv[1]), format="%(levelname)s %(message)s")
+model = torch.nn.Linear(8, 8)
+materialize(model, options=HostOptions(progress=False))
+kept = model.weight.detach()  # still viewing its mapping when the interpreter exits
+"""
+
+
+@pytest.mark.parametrize("level", ["WARNING", "DEBUG"])
+def test_release_at_exit_is_quiet(shm_dir: str, level: str) -> None:
+    """At interpreter exit the mappings go with the process: what is still mapped is logged at DEBUG only."""
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, level], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if "stay mapped" in line]
+    assert [s.split()[0] for s in said] == ([] if level == "WARNING" else ["DEBUG"]), out.stderr
 
 
 def test_release_restore_and_repeated_cycles(shm_dir: str) -> None:

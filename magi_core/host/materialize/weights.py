@@ -31,6 +31,16 @@ _live_lock = threading.Lock()
 _live: dict[int, HostWeights] = {}
 _owned: dict[int, HostWeights] = {}  # id(tensor) -> owner, for tensors kept alive by their HostWeights
 _by_model: weakref.WeakKeyDictionary[nn.Module, HostWeights] = weakref.WeakKeyDictionary()
+#: Set when the interpreter exits (:func:`_release_all`): mappings still viewed then go with the process, so
+#: :meth:`HostWeights.release` says so at DEBUG only.
+_exiting = False
+
+#: What :meth:`HostWeights.release` says when tensors outside the model still view some of its mappings.
+STILL_MAPPED = (
+    "%d host mapping(s) of the released weights (%s) stay mapped, no longer pinned, while tensors still view them "
+    "(e.g. a weight or state_dict() kept from the model); the memory is freed with the last of those tensors. "
+    "Nothing to do, unless that memory is needed back now: then drop those tensors"
+)
 
 
 @dataclass
@@ -178,8 +188,8 @@ class HostWeights:
             self.arenas = []
             still = sum(1 for r in self._mapping_refs if r() is not None)
             if still:
-                logger.warning("%d host mapping(s) stay mapped (unpinned) until the tensors still referencing them "
-                               "are freed", still)
+                logger.log(logging.DEBUG if _exiting else logging.WARNING, STILL_MAPPED, still,
+                           _mapped_size(self._mapping_refs))
             self.report["released"] = {"restore": restore, "still_mapped": still, "unregister_errors": errors}
             if errors:
                 raise MagiError(f"unregistering host ranges failed: {'; '.join(errors)}")
@@ -240,7 +250,20 @@ def register(hw: HostWeights, model: nn.Module) -> None:
     with _live_lock:
         _live[id(hw)] = hw
     _by_model[model] = hw
-    weakref.finalize(model, _model_gone, weakref.ref(hw))
+    # at exit :func:`_release_all` releases it, as an exit (weakref's own exit hook may run before that one)
+    weakref.finalize(model, _model_gone, weakref.ref(hw)).atexit = False
+
+
+def _mapped_size(refs: Iterable[weakref.ref[Any]]) -> str:
+    """Bytes of the mappings ``refs`` still reach, in MiB."""
+    total = 0
+    for r in refs:
+        m = r()
+        try:
+            total += len(m) if m is not None else 0
+        except (TypeError, ValueError):  # closed, or not sized
+            pass
+    return f"{total / (1 << 20):.1f} MiB"
 
 
 def _retarget(module: nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
@@ -280,6 +303,8 @@ def _released_hook(module: nn.Module, args: Any) -> None:
 
 @atexit.register
 def _release_all() -> None:
+    global _exiting
+    _exiting = True
     with _live_lock:
         live = list(_live.values())
     for hw in live:
