@@ -221,6 +221,27 @@ def test_device_module_contract_is_documented_attribute_by_attribute() -> None:
         assert phrase in table, phrase
 
 
+def package_sources() -> list[Path]:
+    """The Python files of magi_core and of the backends' packages (where messages and docstrings live)."""
+    return [*sorted(CORE.rglob("*.py")), *sorted(ROOT.glob("backends/*/magi_backend_*/**/*.py"))]
+
+
+def test_docs_pages_and_readme_sections_named_by_the_package_exist() -> None:
+    """A message or docstring that sends the reader to a docs page or a README section names one that exists."""
+    readme = set(re.findall(r"^#+ (.+?)\s*$", (ROOT / "README.md").read_text(encoding="utf-8"), re.M))
+    missing: list[str] = []
+    for path in package_sources():
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(ROOT)
+        missing += [f"{where}: {page}" for page in set(re.findall(r"\bdocs/[\w./-]+\.md\b", text))
+                    if not (ROOT / page).is_file()]
+        missing += [f"{where}: README section {s!r}" for s in re.findall(r"README's (\w[\w ]*?) section", text)
+                    if s not in readme]
+        missing += [f"{where}: the hook reference is docs/reference/hooks.md"
+                    for _ in re.findall(r"CONTRIBUTING\.md, hook reference", text)]
+    assert not missing, missing
+
+
 def test_field_docstrings_reads_the_string_under_each_field() -> None:
     @dataclasses.dataclass
     class Probe:

@@ -294,6 +294,7 @@ def test_missing_required_hook_is_refused_naming_it(tmp_path: Path, hook: str) -
     add_backend(tmp_path, "partial", device_type="partial", priority=50, omit=[hook])
     out, run = select_and_list([tmp_path], select="magi_core.use_backend('partial')")
     assert "'partial'" in out["error"] and f"missing required hook(s) {hook}" in out["error"]
+    assert "docs/reference/hooks.md" in out["error"]
     assert out["backends"]["partial"]["missing_required_hooks"] == [hook]
     assert hook in run.stderr
     out, _ = select_and_list([tmp_path])
@@ -324,6 +325,7 @@ def test_hookimpl_failing_pluggy_validation_is_a_load_error(tmp_path: Path) -> N
     out, run = select_and_list([tmp_path], select="magi_core.use_backend('typo')")
     err = out["backends"]["typo"]["load_error"]
     assert "does not match magi-core's hook spec" in err and "magi_host_register" in err and "size" in err
+    assert "docs/reference/hooks.md" in err
     assert "typo" in out["error"] and "failed to load" in out["error"]
     assert "rejected by hook validation" in run.stderr
 

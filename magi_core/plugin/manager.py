@@ -121,7 +121,8 @@ class BackendRecord:
         if self.missing_required:
             return (
                 f"missing required hook(s) {', '.join(self.missing_required)}; "
-                f"implement them with @magi_core.plugin.hookimpl (see CONTRIBUTING.md, hook reference)"
+                "implement them with @magi_core.plugin.hookimpl (see the API reference's \"Hook specification\" page, "
+                "docs/reference/hooks.md)"
             )
         if self.spec_error is not None:
             return (f"magi_hookspec_versions failed: {_describe_exception(self.spec_error)}; return the spec "
@@ -282,7 +283,7 @@ def _load(rec: BackendRecord, ep: importlib_metadata.EntryPoint) -> None:
     except pluggy.PluginValidationError as exc:
         rec.load_error = BackendError(
             f"a hook implementation does not match magi-core's hook spec {HOOKSPEC_VERSION}: {exc}; "
-            "fix its signature (see CONTRIBUTING.md, hook reference)"
+            "fix its signature (see the API reference's \"Hook specification\" page, docs/reference/hooks.md)"
         )
         logger.error("magi backend %r (%s) rejected by hook validation: %s", rec.name, rec.package, exc)
         return

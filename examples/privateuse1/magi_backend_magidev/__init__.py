@@ -1,4 +1,5 @@
-"""magi-core backend for the emulated ``magidev`` device (torch_magidev), written from CONTRIBUTING.md's recipe.
+"""magi-core backend for the emulated ``magidev`` device (torch_magidev), written from the backend author's guide
+(``docs/backends/writing.md``).
 
 Importing this module imports neither torch_magidev nor touches a device. The probe only asks whether
 torch_magidev is installed (``importlib.util.find_spec``: importing it would rename PrivateUse1, and a
