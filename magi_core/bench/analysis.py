@@ -1,9 +1,9 @@
-"""Derived figures (ideal, ratios, copy rate, overhead) and the issue's targets from a result document; merging parts.
+"""Derived figures (ideal, ratios, copy rate, overhead) and performance targets from a result document; merging parts.
 
 Merging (:func:`merge`): several ``magi bench`` result documents of one machine become one (runs split across
 processes or GPUs).
 
-A full grid on a large model can take longer than one process may run (a device lent in 10-minute calls),
+A full grid on a large model can take longer than one process may run (a job or device time limit),
 so it is run in parts, e.g. one model per GPU of one host. Merging keeps, per configuration (model, tokens,
 system, policy, ratio, budget), the first completed run in the order given, else the first record of it
 (a skip with its reason). Each run keeps the pinned H2D bandwidth of its own process (``h2d_GBps``), which
@@ -19,9 +19,10 @@ from typing import Any
 
 from magi_core.errors import MagiError
 
-#: Target limits from the benchmark issue.
+#: Target limits: magi-core's step time, budget, speed-up, pinned-memory and host-overhead goals.
 STEP_VS_IDEAL = 1.01
-#: Step target where compute and transfer are about equal (issue 15: the pipeline's ends cannot both hide).
+#: Step target where compute and transfer are about equal (the pipeline's first copy and last compute cannot both
+#: hide).
 STEP_VS_IDEAL_BALANCED = 1.02
 BUDGET_VS_BEST_SPLIT = 1.03
 SPEEDUP_VS_DIFFUSERS = 1.8
@@ -100,7 +101,7 @@ def step_regime(doc: dict[str, Any], workload: str, tokens: int) -> str | None:
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Evaluate every target of the issue on the document's runs (met, missed by how much, or not measured)."""
+    """Evaluate every target on the document's runs (met, missed by how much, or not measured)."""
     out: list[dict[str, Any]] = []
     runs = ok_runs(doc)
     magi = [r for r in runs if r["system"] == "magi"]

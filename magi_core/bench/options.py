@@ -18,7 +18,8 @@ MODELS = ("mlp", "transformer", *REAL_WORKLOADS)
 #: ``core``: the first policy at every ratio and budget, the other policies at the budgets only; ``full``: every
 #: policy at every ratio and budget.
 GRIDS = ("core", "full")
-#: Default ``--time-budget`` on accelerators (seconds): both default models finish inside a 9-minute command.
+#: Default ``--time-budget`` on accelerators (seconds): the core grid of both default models finishes in under 10
+#: minutes.
 ACCELERATOR_TIME_BUDGET_S = 420.0
 #: The fewest timed steps a configuration may have (their median is the step time).
 MIN_STEPS = 3
@@ -38,8 +39,8 @@ class Sizes:
     tokens: tuple[int, ...]
 
 
-#: Accelerator default: 6.44 GB MLP stack (baselines.md) and the issue's transformer (32 x 486 MB blocks, FFN 14336,
-#: hidden 4096: 15.6 GB).
+#: Accelerator default: the 24-block bf16 MLP stack (hidden 4096, 4x FFN: 6.44 GB) and the synthetic transformer
+#: (32 x 486 MB blocks, FFN 14336, hidden 4096: 15.6 GB).
 FULL = Sizes(4096, 24, 4096, 32, 32, 3.5, (2048, 16384))
 #: Accelerator quick check: same widths, fewer blocks, one token count.
 QUICK = Sizes(4096, 8, 4096, 4, 32, 3.5, (2048,))

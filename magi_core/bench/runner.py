@@ -30,8 +30,8 @@ from magi_core.plugin.manager import get_backend
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-#: Systems whose outputs every later run is also compared with (``max_rel_err_vs``): the issue judges errors against
-#: the compiled resident run.
+#: Systems whose outputs every later run is also compared with (``max_rel_err_vs``), besides the first run: an
+#: offloaded run's error is judged against the compiled resident run too.
 RESIDENTS = ("resident_eager", "resident_compiled")
 NOT_MEANINGFUL = ("cpu backend: tiny models on the host, no accelerator; the figures exercise the harness and are "
                   "not meaningful as performance results")

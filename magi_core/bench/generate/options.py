@@ -16,7 +16,8 @@ GENERATE_SYSTEMS = ("resident_eager", "resident_compiled", "magi", "accelerate")
 #: Models that ``generate``: the causal language models among the bench's workloads.
 GENERATE_MODELS = ("llama8b",)
 CACHES = ("dynamic", "static")
-#: Defaults of ``--generate`` where the bench's own differ (issue 34: ratio 0, half the weights, ratio 0.9).
+#: Defaults of ``--generate`` where the bench's own differ: the compiled resident model, the accelerate peer, and
+#: magi-core's default policy at ratio 0 (all streamed), half the weights as budget and ratio 0.9.
 DEFAULT_SYSTEMS = ("resident_compiled", "magi", "accelerate")
 DEFAULT_POLICIES = ("HEURISTIC",)
 DEFAULT_RATIOS = (0.0, 0.9)

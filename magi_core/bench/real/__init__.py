@@ -7,7 +7,7 @@ own code. The libraries are imported only when a workload is built: a missing on
 
 Token counts put each model in one regime on an H200, from ``compute = FLOPs / effective rate`` against
 ``transfer = weight bytes / 55 GB/s`` (pinned H2D). The effective bf16 rate is taken between 420 TFLOP/s (60% of
-~700 dense) and 570 TFLOP/s (what issue 15 measured: Wan 20 layers at 8190 tokens, 128 TFLOP in 225 ms); each
+~700 dense) and 570 TFLOP/s (the rate Wan's 20 layers reach at 8190 tokens: 128 TFLOP in 225 ms); each
 count is chosen so its regime holds at both ends (arithmetic in :mod:`.llama`, :mod:`.wan` and :mod:`.flux`):
 
 ==========  =========  ===============  ==================  ================================
@@ -17,7 +17,7 @@ llama8b     2048       29.7             52-71               292 (16.06 GB): tran
 llama8b     8192       132              231-314             292: balanced
 llama8b     16384      299              525-712             292: compute-bound
 wan14b/20   2184       29.6             52-71               265 (14.58 GB): transfer-bound
-wan14b/20   8190       128              225-305             265: balanced (the issue's case)
+wan14b/20   8190       128              225-305             265: balanced
 wan14b/20   16380      310              544-739             265: compute-bound
 flux        4096       74.4             130-177             433 (23.80 GB): transfer-bound
 flux        8192       165              290-394             433: balanced

@@ -2,14 +2,14 @@
 
 Wan2.1-T2V-14B: 40 heads of 128 (width 5120), FFN 13824, 16 latent channels in and out, patch (1, 2, 2), text width
 4096 (512 umT5 tokens), time frequency width 256, cross-attention norm, RMS qk-norm across heads, eps 1e-6; 40 layers
-in the real model, 20 by default here (as issue 15 measured: 14.5 GB in bf16). Parameters are stored as
+in the real model, 20 by default here (14.5 GB in bf16). Parameters are stored as
 ``from_pretrained(torch_dtype=bf16)`` leaves them: the class's ``_keep_in_fp32_modules`` (time embedder,
 modulation tables, norms) in float32. The call is ``model(hidden_states=(1, 16, F, H, W), timestep=(1,) int64,
 encoder_hidden_states=(1, 512, 4096))`` as the Wan pipeline makes it; the output compared is ``sample``.
 
 A token count ``T = F * H/2 * W/2`` is laid out as 21 latent frames (81 video frames) when 21 divides it, at the
 spatial factorisation closest to 16:9 (:func:`latent_shape`): 2184 = 21 x 8 x 13 (latents 16 x 26, 128 x 208 px),
-8190 = 21 x 15 x 26 (30 x 52, 240 x 416 px: the issue's balanced case), 16380 = 21 x 20 x 39 (40 x 78, 320 x 624 px);
+8190 = 21 x 15 x 26 (30 x 52, 240 x 416 px: the balanced case), 16380 = 21 x 20 x 39 (40 x 78, 320 x 624 px);
 a 480p video is 32760 = 21 x 30 x 52.
 
 FLOPs of one step at ``T`` tokens per layer (d 5120, f 13824, text length S 512): linear
