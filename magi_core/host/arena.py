@@ -259,7 +259,7 @@ def _libc_memcmp() -> Callable[[int, int, int], int] | None:
 
 def _equal_host(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Two contiguous uint8 CPU tensors of one length hold the same bytes (libc memcmp: one thread at memory
-    speed, stops at the first difference; torch.equal's parallel path was 10-100x slower on 2 cores)."""
+    speed, stops at the first difference; torch.equal's parallel path is far slower on few cores)."""
     cmp = _libc_memcmp()
     if cmp is not None and a.is_contiguous() and b.is_contiguous():
         return a.numel() == 0 or cmp(a.data_ptr(), b.data_ptr(), a.numel()) == 0

@@ -402,8 +402,8 @@ def _load_libc() -> ctypes.CDLL:
 def protect(ptr: int, nbytes: int, *, writable: bool) -> None:
     """``mprotect`` the page-aligned range to read-only (``writable=False``) or read/write; OSError on failure.
 
-    A registration made while the range was writable stays valid (checked with CUDA on an H200: device copies
-    from it still work, and unregistering succeeds).
+    A registration made while the range is writable stays valid after it is made read-only (with CUDA: device
+    copies from it still work, and unregistering succeeds).
     """
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     if _load_libc().mprotect(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_int(prot)) != 0:

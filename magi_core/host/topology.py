@@ -205,7 +205,7 @@ def plan_sharing(node: Sequence[int], slots: Mapping[int, Sequence[tuple[str, Cl
     without comparison, equal fingerprints and source-produced values share after a full comparison. A copy of
     values the ranks already hold is written by its lowest member (a memory copy); reading a source is spread
     over the members, fewest bytes first (each tensor is still read by one rank). ``unsafe`` (tests only): one
-    copy per signature, written by the lowest rank, never compared (the old corrupting way).
+    copy per signature, written by the lowest rank, never compared (corrupts ranks whose weights differ).
     """
     index = {r: {sig: i for i, (sig, _, _) in enumerate(slots[r])} for r in node}
     out: dict[int, list[Share | None]] = {r: [None] * len(slots[r]) for r in node}

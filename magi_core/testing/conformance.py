@@ -404,7 +404,7 @@ def test_host_register_range_overlapping_a_registered_one(magi_backend: Backend)
                      "712)", lambda: register(second, half), _FOUND_FIX)
         _kernel_after(magi_backend, "a register the runtime answered 712 (already registered)")
         # only the first range is surely pinned: CUDA answers 712 for a straddling range without pinning the rest,
-        # and a non-blocking copy that spans pinned and unpinned pages is refused (measured on an H200)
+        # and CUDA refuses a non-blocking copy that spans pinned and unpinned pages
         _copy_matches(magi_backend, t[: half // t.element_size()], "a registered range another one overlaps")
         _must_accept("magi_host_unregister", "unregistering a range the runtime had answered 712 for",
                      lambda: unregister(second), _FOUND_FIX)

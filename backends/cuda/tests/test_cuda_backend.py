@@ -224,7 +224,7 @@ def test_ranges_are_noops_without_nvtx() -> None:
     magi_backend_cuda.magi_range_pop()
 
 
-# -- accelerator tests (run by the lead on the H200) -------------------------------------------------
+# -- accelerator tests (marked `accelerator`: run on a host with an NVIDIA GPU) ----------------------
 
 
 @pytest.mark.accelerator

@@ -40,8 +40,8 @@ the shared mapping is ``mprotect``-ed read-only after pinning (CUDA refuses to r
 default flags; one registered before stays valid), so a write is a SIGSEGV that kills the process (torch does
 not check), but one copy per node stays true under pinning. "copy_on_write": every rank maps a shared file
 ``MAP_PRIVATE`` (the writer too, after copying in through a temporary shared mapping), so an in-place write
-changes that rank's pages only; registering such a mapping with CUDA copies every page (measured on an H200),
-which materialising reports. A process forked from a rank (a DataLoader or multiprocessing worker) maps the
+changes that rank's pages only; registering such a mapping with CUDA copies every page (CUDA registers for
+writing), which materialising reports. A process forked from a rank (a DataLoader or multiprocessing worker) maps the
 writable shared arenas copy-on-write (:func:`magi_core.host.fork.track_for_fork`): its writes stay its own.
 """
 
