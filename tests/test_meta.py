@@ -242,6 +242,56 @@ def test_docs_pages_and_readme_sections_named_by_the_package_exist() -> None:
     assert not missing, missing
 
 
+def api_reference_classes() -> list[type]:
+    """The classes docs/reference/api.md renders with their attributes (mkdocstrings shows a docstring written
+    under an attribute; it does not read ``#:`` comments)."""
+    from magi_core import Backend, OffloadConfig
+    from magi_core.compile.handle import OffloadHandle, RuntimeStats
+    from magi_core.host import HostOptions
+
+    return [Backend, OffloadConfig, HostOptions, OffloadHandle, RuntimeStats]
+
+
+def comment_documented_attributes(cls: type) -> list[str]:
+    """Public attributes of ``cls`` (fields, or ``self.x`` set in a method) documented by a ``#:`` comment above."""
+    lines = inspect.getsource(cls).splitlines()
+    found: list[str] = []
+    for i, line in enumerate(lines):
+        if not line.lstrip().startswith("#:"):
+            continue
+        nxt = next((x for x in lines[i + 1:] if not x.lstrip().startswith("#")), "")
+        match = re.match(r"\s*(?:self\.)?([A-Za-z]\w*)\s*[:=]", nxt)
+        if match:
+            found.append(match.group(1))
+    return found
+
+
+@pytest.mark.parametrize("cls", api_reference_classes(), ids=lambda c: c.__name__)
+def test_api_reference_attributes_are_documented_under_them(cls: type) -> None:
+    commented = comment_documented_attributes(cls)
+    assert not commented, f"{cls.__name__}: move the '#:' comments of {commented} into docstrings under them"
+    if cls.__name__ in ("RuntimeStats", "Backend", "HostOptions"):  # rendered field by field
+        docs = field_docstrings(cls)
+        public = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+        assert not [n for n in public if not docs.get(n, "").strip()], f"{cls.__name__}: fields without a docstring"
+
+
+def test_comment_documented_attributes_finds_public_ones_only() -> None:
+    class Probe:
+        #: shown nowhere
+        a: int = 0
+        #: private
+        _b: int = 0
+        c: int = 0
+        """rendered"""
+
+        def __init__(self) -> None:
+            #: shown nowhere either
+            self.d = 1
+
+    assert comment_documented_attributes(Probe) == ["a", "d"]
+
+
 def test_field_docstrings_reads_the_string_under_each_field() -> None:
     @dataclasses.dataclass
     class Probe:

@@ -36,30 +36,41 @@ class RuntimeStats:
     """Figures of one compiled runtime (one Dynamo graph) at the time they were read."""
 
     units: int
+    """Units the graph is split into (each runs with its weights resident or streamed)."""
     phase: str
+    """``"warmup"``, ``"profile"`` (the warm-up call that times each unit) or ``"planned"`` (the static plan runs)."""
     steps: int
+    """Calls of the graph run so far, warm-up calls included."""
     policy: str | None
+    """The static plan's policy, e.g. ``"HEURISTIC"`` (None before planning)."""
     resident_bytes: int | None
+    """Weight bytes the installed plan keeps on the device (None before a plan is installed)."""
     streamed_bytes_per_step: int | None
+    """Weight bytes the installed plan copies to the device per step (None before a plan is installed)."""
     streamed_bytes_total: int
+    """Weight bytes copied from the host so far, every step included."""
     weight_copies: int
+    """Weights (host tensors) copied to the device so far."""
     predicted_step_ms: float | None
+    """The static plan's steady-state step time at the planning bandwidth (None before planning)."""
     predicted_stall_ms: float | None
+    """Time per step the static plan predicts compute waits for weights (None before planning)."""
     bandwidth_GBps: float | None
-    #: Host-to-device copy calls issued so far (one per unit and host storage with the unit transfer).
+    """The host-to-device rate the plan was made from, in GB/s, before the safety factor (None before planning)."""
     copy_calls: int = 0
-    #: Device bytes the transfer holds for streamed weights (the unit transfer's planned buffer; 0 otherwise).
+    """Host-to-device copy calls issued so far (one per unit and host storage with the unit transfer)."""
     transfer_buffer_bytes: int = 0
-    #: What the static plan holds on the device at peak: resident weights, copy buffer (or weights in flight) and
-    #: the activations measured in warm-up (None before planning).
+    """Device bytes the transfer holds for streamed weights (the unit transfer's planned buffer; 0 otherwise)."""
     predicted_peak_bytes: int | None = None
-    #: Device memory a measured planned step held at peak: the weights held before it plus what it allocated (the
-    #: second step after planning; None before it ran, or where the device module has no peak statistics).
+    """What the static plan holds on the device at peak: resident weights, copy buffer (or weights in flight) and
+    the activations measured in warm-up (None before planning)."""
     measured_peak_bytes: int | None = None
-    #: Device bytes a warm-up call allocated beyond its weights (activations, workspaces).
+    """Device memory a measured planned step held at peak: the weights held before it plus what it allocated (the
+    second step after planning; None before it ran, or where the device module has no peak statistics)."""
     activation_bytes: int = 0
-    #: The device budget the plan was fitted to: what the device could spare, or the budget given (None: none).
+    """Device bytes a warm-up call allocated beyond its weights (activations, workspaces)."""
     device_budget_bytes: int | None = None
+    """The device budget the plan was fitted to: what the device could spare, or the budget given (None: none)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for JSON."""
@@ -81,12 +92,12 @@ class OffloadHandle:
     def __init__(self, name: str = "model", config: OffloadConfig | None = None) -> None:
         self.name = name
         self.config = config
-        #: The model's weights in host memory (``None`` when the handle only tracks a hand-compiled model).
         self.host: HostWeights | None = None
-        #: The host-side forward ``offload`` installed on the model.
+        """The model's weights in host memory (``None`` when the handle only tracks a hand-compiled model)."""
         self.forward: OffloadedForward | None = None
-        #: The other methods ``offload(..., methods=...)`` installed, by name.
+        """The host-side forward ``offload`` installed on the model."""
         self.methods: dict[str, OffloadedForward] = {}
+        """The other methods ``offload(..., methods=...)`` installed, by name."""
         self.released = False
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()
@@ -95,6 +106,8 @@ class OffloadHandle:
         self._runtimes: list[weakref.ref[OffloadLifecycle]] = []
         self._compiles = 0
         self.backend = _BoundBackend(self)
+        """The ``magi_offload`` Dynamo backend bound to this handle (``torch.compile(model, backend=...)``): every
+        graph it compiles is recorded here."""
 
     # -- runtimes ----------------------------------------------------------------------------------
     def add_runtime(self, runtime: OffloadLifecycle) -> None:

@@ -66,27 +66,38 @@ class Backend:
     device memory (what the process can still allocate, and a cap on it)."""
 
     name: str
+    """The backend's name: its entry point's name in the ``magi.backends`` group (``"musa"``, ``"cpu"``, ...)."""
     package: str
+    """The distribution that provides the backend (``magi-backend-musa``, ...)."""
     version: str
+    """What the backend's probe reports as its runtime's version (``ProbeResult.version``)."""
     device_type: str
+    """The torch device type the backend drives (``"musa"``, ``"cpu"``, ...)."""
     priority: int
+    """The probe's selection rank (``ProbeResult.priority``)."""
     selected_by: str
+    """How the backend was chosen: ``"explicit"`` (:func:`magi_core.use_backend`), ``"env"`` (``MAGI_BACKEND``)
+    or ``"probe"`` (the highest priority among the available backends)."""
     device_module: ModuleType = field(repr=False)
+    """The backend's torch-style device module (``magi_device_module``): streams, events, memory statistics."""
     to_method_aliases: tuple[str, ...]
+    """The method names under which ``Tensor.to`` appears in traced graphs, ``"to"`` included
+    (``magi_to_method_aliases``)."""
     _register: Callable[[int, int], Any] = field(repr=False)
     _unregister: Callable[[int], Any] = field(repr=False)
     _range_push: Callable[[str], Any] | None = field(repr=False)
     _range_pop: Callable[[], Any] | None = field(repr=False)
-    #: The backend package's version (``package`` is its distribution name).
     package_version: str = "?"
-    #: The hook-spec versions the backend declared (``magi_hookspec_versions``).
+    """The backend package's version (``package`` is its distribution name)."""
     hookspec_versions: tuple[str, ...] = ()
-    #: What ``magi_capabilities`` returned, or None when the backend does not implement it (spec 1.0).
+    """The hook-spec versions the backend declared (``magi_hookspec_versions``)."""
     declared_capabilities: Capabilities | None = field(default=None, repr=False)
-    #: ``magi_device_memory`` bound to this backend (device index -> DeviceMemory | None); None when not implemented.
+    """What ``magi_capabilities`` returned, or None when the backend does not implement it (spec 1.0)."""
     _device_memory: Callable[[int], Any] | None = field(default=None, repr=False)
-    #: ``magi_limit_device_memory`` bound to this backend (device index, bytes); None when not implemented.
+    """``magi_device_memory`` bound to this backend (device index -> DeviceMemory | None); None when not
+    implemented."""
     _limit_device_memory: Callable[[int, int], Any] | None = field(default=None, repr=False)
+    """``magi_limit_device_memory`` bound to this backend (device index, bytes); None when not implemented."""
 
     def __repr__(self) -> str:
         return (
