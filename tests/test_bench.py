@@ -280,7 +280,7 @@ def test_accelerator_defaults_fit_one_command() -> None:
     sizes = opts.sizes(is_accelerator=True)
     spec = TransformerSpec(layers=sizes.tf_layers, hidden=sizes.tf_hidden, heads=sizes.tf_heads,
                            ffn_mult=sizes.tf_ffn_mult)
-    assert (spec.layers, spec.hidden, spec.ffn) == (32, 4096, 14336)  # the transformer
+    assert (spec.layers, spec.hidden, spec.ffn) == (32, 4096, 14336)  # the synthetic transformer's default
     assert opts.time_budget(True) == ACCELERATOR_TIME_BUDGET_S and opts.time_budget(False) is None
     assert BenchOptions(time_budget_s=0).time_budget(True) is None
     acc = SystemSpec("accelerate")

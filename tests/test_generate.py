@@ -27,7 +27,7 @@ from magi_core.plugin.manager import get_backend
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 CFG = OffloadConfig(unit_compiler="eager", warmup_calls=2)
-#: Enough new tokens that a compile per token would show (the issue asks for 32+).
+#: Enough new tokens that a compile per token would show (32 or more).
 LONG = 33
 
 

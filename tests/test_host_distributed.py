@@ -47,7 +47,7 @@ def test_ep1_one_shared_file_one_copy_in_memory(writes: str, shm_dir: str, tmp_p
     assert recs[0]["inodes"] == recs[1]["inodes"]
     weights = recs[0]["weight_bytes"]
     if writes == "copy_on_write" and any(r["private_copy_bytes"] for r in recs):
-        # a backend that pins for write (CUDA: measured on an H200) gave each rank its own copy: reported
+        # a backend that pins for write (CUDA) gave each rank its own copy: reported
         assert all(r["private_copy_bytes"] >= weights // 2 for r in recs)
         return
     for r in recs:  # each rank has all of the one file resident, mapped once per arena
@@ -61,7 +61,7 @@ def test_ep1_one_shared_file_one_copy_in_memory(writes: str, shm_dir: str, tmp_p
 
 
 def test_ep1_pin_that_copies_shared_pages_is_reported(shm_dir: str, tmp_path: Path) -> None:
-    """copy_on_write with a backend that pins for write (CUDA, measured on an H200): each rank ends up with its
+    """copy_on_write with a backend that pins for write (CUDA registers for writing): each rank ends up with its
     own copy; that is measured and reported (with the way out), never silent."""
     recs = _run(2, ["--scenario", "shared", "--privatising-pin", "--shared-writes", "copy_on_write"], shm_dir,
                 tmp_path)

@@ -202,7 +202,7 @@ def test_pin_budget_and_no_pin(shm_dir: str, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_pin_budget_never_cuts_through_a_tensor(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tensor half pinned cannot be copied to a CUDA device at all (refused, measured on an H200): the budget's
+    """A tensor half pinned cannot be copied to a CUDA device at all (CUDA refuses the copy): the budget's
     cut moves back to a page no tensor straddles."""
     m = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # weights of 1 MiB each, small biases between
     monkeypatch.setenv("MAGI_PIN_BUDGET_GB", str(1.5 / 1024))  # 1.5 MiB: the raw cut lands inside m[1].weight

@@ -622,7 +622,7 @@ def _installed(name: str) -> bool:
 
 @pytest.mark.skipif(not _installed("magidev"), reason="needs the example PrivateUse1 backend (examples/privateuse1)")
 def test_default_config_runs_on_a_third_party_privateuse1_device() -> None:
-    # the issue's crash: "auto" picked Inductor, which generated host code fed the device's tensors
+    # "auto" must pick eager units here: Inductor would generate host code and feed it the device's tensors
     out = run_python("""
         import json, torch, magi_core
         from magi_core.bench.models import TransformerSpec, build_transformer, example_input
