@@ -142,7 +142,7 @@ def compile_unit(module: torch.fx.GraphModule, args: Sequence[Any]) -> Callable[
     anyway, nothing would check it on later calls, so the unit runs eagerly instead.
     """
     dynamic = _dynamic_placeholders(module)
-    if not any(dynamic):
+    if not any(d if isinstance(d, bool) else any(d) for d in dynamic):
         static = _compile(module, args, None)
         assert static is not None  # nothing symbolic to specialise
         return static
@@ -177,7 +177,7 @@ def _compile(module: torch.fx.GraphModule, args: Sequence[Any],
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
+    shape_env = ShapeEnv() if dynamic is None else ShapeEnv(duck_shape=False, specialize_zero_one=False)
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbols = []
     fakes: list[Any] = []
