@@ -154,7 +154,10 @@ def test_peak_rss_counts_memory_touched_and_then_freed() -> None:
 
 
 def test_anonymous_bytes_agrees_with_smaps_rollup() -> None:
-    """The cheap counter the samplers read matches smaps_rollup's page walk after four threads allocate 256 MiB."""
+    """The cheap counter the samplers read matches smaps_rollup's page walk after four threads allocate 320 MiB.
+
+    The growth check is loose: the allocator may place some of the new tensors in pages an earlier test freed,
+    which are resident already."""
     import threading
 
     from magi_core.host.memstat import anonymous_bytes, process_memory
@@ -162,7 +165,7 @@ def test_anonymous_bytes_agrees_with_smaps_rollup() -> None:
     keep: list[torch.Tensor] = []
 
     def grab() -> None:
-        for _ in range(8):
+        for _ in range(10):
             keep.append(torch.ones(2 << 20))  # 8 MiB, touched
 
     threads = [threading.Thread(target=grab) for _ in range(4)]
@@ -172,6 +175,6 @@ def test_anonymous_bytes_agrees_with_smaps_rollup() -> None:
     for t in threads:
         t.join()
     cheap, exact = anonymous_bytes(), process_memory()["Anonymous"]
-    assert exact - base >= 256 << 20
+    assert exact - base >= 192 << 20
     assert abs(cheap - exact) <= 4 << 20, (cheap, exact)
 
