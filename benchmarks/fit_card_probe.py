@@ -25,7 +25,7 @@ import magi_core
 from magi_core import OffloadConfig, handle, offload
 from magi_core.bench.real import real_workload
 from magi_core.compile import device_room as room_mod
-from magi_core.compile import lifecycle as lifecycle_mod
+from magi_core.compile import runtime as runtime_mod
 
 GIB = 2**30
 
@@ -62,7 +62,7 @@ def main() -> None:
             log.info("room: %s", rooms[-1])
         return room
 
-    lifecycle_mod.device_room = logged_room  # type: ignore[assignment]
+    runtime_mod.device_room = logged_room  # type: ignore[assignment]
     w = real_workload(args.model, torch.bfloat16, args.preset)
     w.materialize_base()
     tokens = args.tokens or (w.tokens[0] if w.tokens else 2048)

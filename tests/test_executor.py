@@ -12,7 +12,7 @@ from helpers.tracking import HANDLES, compile_tracked, compiles, newest
 from test_executor_models import Layer, MixedStack, TableStack, TiedLM, TupleKw
 
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
-from magi_core.compile.lifecycle import default_planner
+from magi_core.compile.runtime import default_planner
 from magi_core.errors import ConfigError
 from magi_core.execute import executor as executor_mod
 from magi_core.execute.residency import RESIDENT

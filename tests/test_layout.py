@@ -49,7 +49,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 
 #: Files over :data:`MAX_FILE_LINES` lines that hold one idea each (path under ``magi_core/`` -> the idea).
 LONG_FILES: dict[str, str] = {
-    "compile/lifecycle.py": "the lifecycle of one compiled graph: warm-up, profiling, planning, installing the plan",
+    "compile/runtime.py": "the lifecycle of one compiled graph: warm-up, profiling, planning, installing the plan",
     "config.py": "OffloadConfig: its fields, their validation on construction and their resolution (code, options, "
                  "environment)",
     "plugin/manager.py": "the backend registry: each installed backend's record (loaded, validated, probed) and the "

@@ -25,7 +25,7 @@ import torch.fx
 
 from magi_core.compile.device_branches import warn_device_branches
 from magi_core.compile.exchange import exchange_transfer
-from magi_core.compile.lifecycle import OffloadLifecycle
+from magi_core.compile.runtime import OffloadRuntime
 from magi_core.config import OffloadConfig, resolve_config
 from magi_core.errors import ConfigError, MagiError
 from magi_core.execute.executor import OffloadExecutor
@@ -69,7 +69,7 @@ def config_from_options(options: Mapping[str, Any] | OffloadConfig | None) -> Of
 
 def build_runtime(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: OffloadConfig, host: HostWeights | None = None
-) -> OffloadLifecycle:
+) -> OffloadRuntime:
     """Place ``gm`` on the backend's device, split it into units and wrap the executor in its warm-up lifecycle."""
     written = mutated_module_state(gm)
     if written:
@@ -92,7 +92,7 @@ def build_runtime(
         split, backend, device, unit_compiler=backend.resolve_unit_compiler(config.unit_compiler),
         direct_unit_calls=backend.allows_direct_unit_calls(config.direct_unit_calls), transfer=transfer,
     )
-    runtime = OffloadLifecycle(executor, config)
+    runtime = OffloadRuntime(executor, config)
     logger.info(
         "magi offload: compiled a graph with %d inputs into %d units (%d weight bytes) on %s",
         len(example_inputs), executor.n_units, split.weight_bytes, device,
@@ -107,7 +107,7 @@ def magi_offload_backend(
     mode: str | None = None,
     host: HostWeights | None = None,
     **kwargs: Any,
-) -> OffloadLifecycle:
+) -> OffloadRuntime:
     """torch.compile backend: run ``gm`` with its weights streamed from host memory to the accelerator.
 
     ``host``: the offloaded model's host weights (given by its handle), which say which weights ranks share.

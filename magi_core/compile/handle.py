@@ -26,7 +26,7 @@ from magi_core.execute.transfer.shared import SharedBuffer
 
 if TYPE_CHECKING:
     from magi_core.compile.device_inputs import OffloadedForward
-    from magi_core.compile.lifecycle import OffloadLifecycle
+    from magi_core.compile.runtime import OffloadRuntime
     from magi_core.config import OffloadConfig
     from magi_core.host.materialize import HostWeights
 
@@ -103,14 +103,14 @@ class OffloadHandle:
         self._plan_lock = threading.Lock()
         self._step_lock = threading.Lock()
         self._buffers: dict[str, SharedBuffer] = {}
-        self._runtimes: list[weakref.ref[OffloadLifecycle]] = []
+        self._runtimes: list[weakref.ref[OffloadRuntime]] = []
         self._compiles = 0
         self.backend = _BoundBackend(self)
         """The ``magi_offload`` Dynamo backend bound to this handle (``torch.compile(model, backend=...)``): every
         graph it compiles is recorded here."""
 
     # -- runtimes ----------------------------------------------------------------------------------
-    def add_runtime(self, runtime: OffloadLifecycle) -> None:
+    def add_runtime(self, runtime: OffloadRuntime) -> None:
         """Record a runtime the bound backend compiled (weakly: Dynamo's cache owns it)."""
         with self._lock:
             self._compiles += 1
@@ -130,13 +130,13 @@ class OffloadHandle:
         ex.join_model(self._step_lock, shared)
 
     @property
-    def runtimes(self) -> list[OffloadLifecycle]:
+    def runtimes(self) -> list[OffloadRuntime]:
         """The runtimes compiled for this model that are still alive, oldest first."""
         with self._lock:
             return [r for r in (ref() for ref in self._runtimes) if r is not None]
 
     @property
-    def runtime(self) -> OffloadLifecycle:
+    def runtime(self) -> OffloadRuntime:
         """The most recently compiled live runtime (the one serving the last new input shape)."""
         live = self.runtimes
         if not live:
@@ -211,7 +211,7 @@ class _BoundBackend:
         return runtime
 
 
-def runtime_stats(runtime: OffloadLifecycle) -> RuntimeStats:
+def runtime_stats(runtime: OffloadRuntime) -> RuntimeStats:
     """The figures of one runtime now."""
     ex = runtime.executor
     actions = ex.actions

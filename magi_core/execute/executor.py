@@ -3,7 +3,7 @@
 Per step: inputs are prepared (:mod:`.inputs`), resident weights filled in (:mod:`.weights`), copy batches
 issued where the plan's precomputed action lists say (:mod:`.actions`), each unit launched on the compute
 stream after waiting on its weights' copy events only, and each streamed weight handed back after its last
-user with ``record_stream``. The warm-up state machine (:mod:`.lifecycle`) swaps in the static plan.
+user with ``record_stream``. The warm-up state machine (:mod:`magi_core.compile.runtime`) swaps in the static plan.
 
 Runs under ``torch.no_grad()``: the offload runtime is for inference.
 

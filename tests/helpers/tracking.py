@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from magi_core.compile.handle import OffloadHandle
-from magi_core.compile.lifecycle import OffloadLifecycle
+from magi_core.compile.runtime import OffloadRuntime
 
 #: Every handle made by :func:`compile_tracked`, oldest first (each holds its runtimes weakly).
 HANDLES: list[OffloadHandle] = []
@@ -20,7 +20,7 @@ def compile_tracked(model: Any, **compile_kwargs: Any) -> Any:
     return torch.compile(model, backend=h.backend, **compile_kwargs)
 
 
-def newest() -> OffloadLifecycle:
+def newest() -> OffloadRuntime:
     """The newest runtime of the last tracked compile."""
     return HANDLES[-1].runtime
 

@@ -148,7 +148,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "i", "budget fit: a shrunk planning budget the planner refuses fails the call instead of bisecting back up",
-        "magi_core/compile/lifecycle.py",
+        "magi_core/compile/runtime.py",
         "                if budget >= limit or failed is None:\n",
         "                if True:\n",
         (("core", ("tests/test_executor.py",)),),
@@ -212,7 +212,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "p", "planning: the bandwidth probe is broadcast from rank 0 again, so a rank's model call waits for the "
         "other ranks' (a hang when ranks call their models a different number of times)",
-        "magi_core/compile/lifecycle.py",
+        "magi_core/compile/runtime.py",
         "                                                         broadcast=False))\n",
         "                                                         broadcast=True))\n",
         (("core", ("tests/test_host_distributed.py::test_ranks_call_their_models_independently",)),),
@@ -334,7 +334,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ae", "budget: a graph still warming up is left out of the copy buffer the model's graphs share, so a graph "
         "planned meanwhile keeps resident what the budget leaves no room for next to that buffer",
-        "magi_core/compile/lifecycle.py",
+        "magi_core/compile/runtime.py",
         "        same = [r for r in on_device if shared_buf is not None",
         "        same = [r for r in on_device if r._planned and shared_buf is not None",
         (("privateuse1", ("tests/test_device_fit.py",)),),
@@ -351,7 +351,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ag", "two graphs: a graph planned first never reads resident the weights a later graph of the model keeps "
         "resident (it streams them every step)",
-        "magi_core/compile/lifecycle.py",
+        "magi_core/compile/runtime.py",
         "                    r._replan = True\n",
         "                    r._replan = False\n",
         (("privateuse1", ("tests/test_device_fit.py",)),),
@@ -367,11 +367,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "ai", "fit the card: the least-memory plan's budget is not held within the room and below the fastest plan "
         "(fewer resident weights can need a larger copy buffer: llama8b held 11.7 GiB on a 12 GiB card)",
-        "magi_core/compile/lifecycle.py",
+        "magi_core/compile/runtime.py",
         "            budget = min(budget, spare, full - 1)",
         "            budget = max(1, budget)",
         (("privateuse1", ("tests/test_device_fit.py",)),),
-        extra=(("magi_core/compile/lifecycle.py", "            if plan.predicted_step_ms <= target and holds < full:",
+        extra=(("magi_core/compile/runtime.py", "            if plan.predicted_step_ms <= target and holds < full:",
                 "            if plan.predicted_step_ms <= target:"),),
     ),
     Mutation(

@@ -10,7 +10,7 @@ may call their models a different number of times, with other shapes), except a 
 exchanged across the node's ranks, which must install one plan on every rank and agrees on rank 0's timings.
 
 Runtimes of one model (one per input shape, one per graph of a forward with graph breaks) share its device
-budget (:meth:`OffloadLifecycle._share_with_peers`): weights another runtime keeps resident stay resident here
+budget (:meth:`OffloadRuntime._share_with_peers`): weights another runtime keeps resident stay resident here
 for free, ``gpu_resident_weight_ratio`` bounds the union of the runtimes' resident weights, and
 ``device_memory_budget_bytes`` counts every runtime's resident weights and copy buffer.
 """
@@ -81,7 +81,7 @@ def default_planner(profiles: Sequence[UnitProfile], bandwidth_Bps: float, confi
     return build_plan(list(profiles), bandwidth_Bps, config)
 
 
-class OffloadLifecycle:
+class OffloadRuntime:
     """The callable the compile backend returns: warm-up, profiling, then the static plan."""
 
     def __init__(
@@ -106,7 +106,7 @@ class OffloadLifecycle:
         #: Warm-up calls (look-ahead, profile, planning) run one at a time; planned calls never take it.
         self._warmup_lock = threading.Lock()
         #: The other runtimes of the same model (set by its handle), which share its device budget.
-        self.peers: Callable[[], Sequence[OffloadLifecycle]] | None = None
+        self.peers: Callable[[], Sequence[OffloadRuntime]] | None = None
         #: Held while planning, so runtimes of one model plan one at a time (set by the handle).
         self.plan_lock: Any = None
         #: Why less of the device budget was left to plan with (other runtimes of the model), for errors.
@@ -263,7 +263,7 @@ class OffloadLifecycle:
         )
 
     # -- fitting the device ----------------------------------------------------------------------------
-    def _peers_on_device(self) -> list[OffloadLifecycle]:
+    def _peers_on_device(self) -> list[OffloadRuntime]:
         return [r for r in (self.peers() if self.peers is not None else ())
                 if r is not self and r.executor.device == self.executor.device]
 
@@ -602,6 +602,6 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
     return id(t), t.data_ptr()
 
 
-def _buffer_bytes(runtime: OffloadLifecycle) -> int:
+def _buffer_bytes(runtime: OffloadRuntime) -> int:
     """Bytes of the copy buffer a runtime's installed plan needs (0 for a transfer that allocates per copy)."""
     return int(getattr(runtime.executor.transfer, "buffer_bytes", 0))
