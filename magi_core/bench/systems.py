@@ -22,7 +22,6 @@ from magi_core.config import OffloadConfig
 from magi_core.plugin.facade import Backend
 
 POLICIES = ("BASE", "COST_EFFECTIVE", "HEURISTIC")
-PEERS = ("diffusers", "accelerate")
 
 
 class SystemSkipped(Exception):
@@ -54,11 +53,6 @@ class SystemSpec:
         if self.budget_fraction is not None:
             return f"magi {self.policy} budget={self.budget_fraction:g}W"
         return f"magi {self.policy} r={self.ratio:g}"
-
-    @property
-    def is_peer(self) -> bool:
-        """True for diffusers and accelerate."""
-        return self.kind in PEERS
 
 
 @dataclass

@@ -250,9 +250,6 @@ def transformer_workload(spec: TransformerSpec) -> Workload:
     return Workload("transformer", spec, spec.dtype, lambda: SyntheticTransformer(spec), lambda t: (1, t, spec.hidden))
 
 
-WORKLOADS = ("mlp", "transformer")
-
-
 def probe_workload(model: str, accelerator: bool, layers: int | None = None, hidden: int | None = None) -> Workload:
     """The benchmark scripts' workloads: the MLP stack (24 blocks) or the synthetic transformer (8 blocks), at
     full width (bf16) on an accelerator and tiny (float32) on the host, base weights materialised."""

@@ -242,11 +242,6 @@ class ObjectSwap:
         self._walk = _Walk(to_proxy, max_depth, self._slots)
 
     @property
-    def swapped(self) -> int:
-        """How many places now hold a proxy (or a tuple holding one) instead of the caller's value."""
-        return len(self._slots)
-
-    @property
     def too_deep(self) -> list[str]:
         """Places (``Type.attr``) nested deeper than ``max_depth``: device tensors there were not swapped."""
         return self._walk.too_deep
