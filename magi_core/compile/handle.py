@@ -38,7 +38,9 @@ class RuntimeStats:
     units: int
     """Units the graph is split into (each runs with its weights resident or streamed)."""
     phase: str
-    """``"warmup"``, ``"profile"`` (the warm-up call that times each unit) or ``"planned"`` (the static plan runs)."""
+    """``"warmup"``, ``"profile"`` (the warm-up call that times each unit), ``"planned"`` (the static plan runs) or
+    ``"idle"`` (still warming up, holding nothing on the device since another graph of the model planned; its next
+    call warms it up again)."""
     steps: int
     """Calls of the graph run so far, warm-up calls included."""
     policy: str | None

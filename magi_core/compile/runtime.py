@@ -105,6 +105,8 @@ class OffloadRuntime:
         self._planned = False
         #: Warm-up calls (look-ahead, profile, planning) run one at a time; planned calls never take it.
         self._warmup_lock = threading.Lock()
+        #: Set while the runtime, still warming up, holds nothing on the device (:meth:`_idle_peers`).
+        self._idle = False
         #: The other runtimes of the same model (set by its handle), which share its device budget.
         self.peers: Callable[[], Sequence[OffloadRuntime]] | None = None
         #: Held while planning, so runtimes of one model plan one at a time (set by the handle).
@@ -148,20 +150,45 @@ class OffloadRuntime:
 
     def _warm_up_next_to_peers(self, args: Sequence[Any]) -> None:
         """A graph compiled after others of the model planned warms up reading the weights they keep resident,
-        streaming only the rest: its copy buffer then fits next to their resident weights, within their budget."""
-        if not any(r._planned for r in self._peers_on_device()):
-            return
-        profiles = unit_profiles(self.executor.units, None, self.executor.transfer.nbytes)
-        with self.plan_lock if self.plan_lock is not None else contextlib.nullcontext():
+        streaming only the rest: its copy buffer then fits next to their resident weights, within their budget.
+        An idle graph (:meth:`_idle_peers`) installs its warm-up plan again, the same way."""
+        idle, self._idle = self._idle, False
+        if idle:
+            self.phase = "warmup"
+        if any(r._planned for r in self._peers_on_device()):
+            profiles = unit_profiles(self.executor.units, None, self.executor.transfer.nbytes)
+            with self.plan_lock if self.plan_lock is not None else contextlib.nullcontext():
+                try:
+                    planned, _, shared, _ = self._share_with_peers(profiles, args, self.config)
+                except ConfigError:  # the budget is spent: planning says so, with what to do
+                    shared = frozenset()
+                if shared:
+                    plan = self._planner(planned, 1e9, self._warmup_config())
+                    plan = dataclasses.replace(plan, resident=plan.resident | shared)
+                    plan.validate(profiles)
+                    self.executor.set_plan(plan)
+                    return
+        if idle:
+            plan = self.warmup_plan()
+            self._check_fits(plan)
+            self.executor.set_plan(plan)
+
+    def _idle_peers(self) -> None:
+        """Graphs of the model still warming up and not running now hold nothing on the device while this one plans
+        (phase ``"idle"``): a graph that ran once and may never run again (a first decoding step, a shape seen
+        once) does not keep its warm-up copy buffer next to the plans of the graphs that do run. Its next call
+        installs its warm-up plan again. Callers hold the plan lock."""
+        for r in self._peers_on_device():
+            if r._planned or r._idle or not r._warmup_lock.acquire(blocking=False):
+                continue  # planned, idle already, or in a call now
             try:
-                planned, _, shared, _ = self._share_with_peers(profiles, args, self.config)
-            except ConfigError:  # the budget is spent: planning says so, with what to do
-                return
-            if shared:
-                plan = self._planner(planned, 1e9, self._warmup_config())
-                plan = dataclasses.replace(plan, resident=plan.resident | shared)
-                plan.validate(profiles)
-                self.executor.set_plan(plan)
+                if not r._planned and r.executor.plan is not None and r.executor.suspend():
+                    r._idle = True
+                    r.phase = "idle"
+                    logger.info("magi offload: a graph of the model still warming up holds nothing on the device "
+                                "until its next call (another graph is planning)")
+            finally:
+                r._warmup_lock.release()
 
     @property
     def plan(self) -> Plan | None:
@@ -195,7 +222,7 @@ class OffloadRuntime:
     def _warmup_call(self, args: Sequence[Any]) -> Any:
         self.calls += 1
         w = self.config.warmup_calls
-        if self.calls == 1 and w > 0:
+        if (self.calls == 1 and w > 0) or (self._idle and self.calls <= w):
             self._warm_up_next_to_peers(args)
         if self.calls > w:
             self._install_static_plan(args)
@@ -233,6 +260,8 @@ class OffloadRuntime:
                 logger.info("magi offload: planning a graph again: another graph of the model keeps weights "
                             "resident that it streams")
             self._replan = False
+            self._idle = False
+            self._idle_peers()
             before = {k for r in self._peers_on_device() if r._planned for k in r.resident_hosts}
             buffer_before = _buffer_bytes(self)
             plan = self._plan_for_device(args)

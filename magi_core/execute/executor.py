@@ -239,6 +239,24 @@ class OffloadExecutor:
         )
         return actions
 
+    def suspend(self) -> bool:
+        """Hold nothing on the device until the next :meth:`set_plan`: the plan's resident copies, carried copies and
+        copy buffer go (after the work queued on them). False, and nothing changes, where the transfer cannot give
+        its buffer up or must keep step with other ranks (the exchange)."""
+        release = getattr(self.transfer, "release_buffer", None)
+        if release is None or getattr(self.transfer, "collective", False):
+            return False
+        with self._lock:  # not during a step of the model's runtimes
+            if self.resident is not None:
+                self.resident.close(self.transfer, self._current_stream())
+            self.resident = None
+            self._carry = {}
+            release()
+            self.plan = None
+            self.actions = None
+            self.watch = WeightWatch(())
+        return True
+
     def close(self) -> None:
         """Release resident weights and carried prefetches, after the step running now (if any); later steps are
         refused with a :class:`MagiError` saying the model was released."""

@@ -177,6 +177,14 @@ class UnitTransfer(PerTensorTransfer):
         if self.buffer_bytes:
             self._buffer = shared.ensure(self.buffer_bytes, self._alloc, self.copy_stream)
 
+    def release_buffer(self) -> None:
+        """Give the installed plan's copy buffer up until the next :meth:`set_actions` (its runtime is idle): an own
+        buffer is freed after the work queued on it; a shared one no longer counts this transfer's need, so the
+        next plan installed in it sizes it for the others alone."""
+        self._drop_buffer()
+        self._slots = []
+        self.buffer_bytes = 0
+
     def forget_buffer(self) -> list[Any]:
         """The shared buffer is being replaced: drop every view of it, the carried ones too (:attr:`on_forget`);
         returns events recorded after this transfer's queued work, which the replacer waits for before freeing."""
