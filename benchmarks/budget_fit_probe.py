@@ -6,7 +6,7 @@ Builds Wan2.1-14B's 20-block bench workload (``magi_core.bench.real``), offloads
 ``device_memory_budget_bytes = 0.5 x weights``, runs the warm-up and two planned calls at each token count in
 one handle (the runtimes share the budget), and writes per runtime the profiles, each unit's weights (input
 index, bytes), the bandwidth, the installed plan's resident units and notes, and the copy buffer's bytes, so a
-planning decision can be replayed on a CPU (tests/test_schedulers.py's Wan case came from it).
+planning decision can be replayed on a CPU (tests/plan/test_schedulers.py's Wan case came from it).
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -rs -m "accelerator" tests backends/cuda/tests -p no:cacheprovider --durations=20 \
     $(junit accel) 2>&1 | tee "$OUT/accel.log" || rc=1
   # the executor suites that run on whichever backend is active: here on CUDA (real streams, caching allocator)
-  python3 -m pytest -q -rs tests/test_executor.py tests/test_threads.py tests/test_weight_updates.py \
-    tests/test_handle.py tests/test_schedulers.py tests/test_transfer.py tests/test_offload_api.py -p no:cacheprovider \
+  python3 -m pytest -q -rs tests/execute/test_executor.py tests/compile/test_threads.py \
+    tests/execute/test_weight_updates.py tests/compile/test_handle.py tests/plan/test_schedulers.py \
+    tests/execute/test_transfer.py tests/api/test_offload_api.py -p no:cacheprovider \
     $(junit executor-cuda) 2>&1 | tail -n 15 \
     | tee "$OUT/executor-cuda.log" || rc=1
 fi
@@ -106,7 +107,7 @@ if [ "$what" = real-check ]; then  # wan14b 16380 ratio 0 next to its resident s
     --out "$OUT/part-wan14b-16380-r0-check.json" 2>&1 | tail -n 6 || rc=1
 fi
 if [ "$what" = two-gpus ]; then  # the two-rank runs of issues 16 and 18 (nvidia-h200-x2)
-  python3 -m pytest -q -rs -m accelerator tests/test_host_accelerator.py -p no:cacheprovider 2>&1 | tail -n 15 \
+  python3 -m pytest -q -rs -m accelerator tests/host/test_host_accelerator.py -p no:cacheprovider 2>&1 | tail -n 15 \
     | tee "$OUT/host-accel.log" || rc=1
   MAGI_PIN_CONCURRENCY=2 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/llama70b_two_gpus.py \
     --out "$OUT/llama70b-2xh200.json" > "$OUT/llama70b.log" 2>&1 || rc=1

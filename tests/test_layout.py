@@ -305,6 +305,25 @@ def test_rooms_stay_small() -> None:
     assert not crowded, f"packages with more than {MAX_PACKAGE_MODULES} modules: {crowded}"
 
 
+#: Test folders that are no subpackage: ``api`` tests the top-level modules (api, config, cli); the rest hold what
+#: the tests share (helpers, fake packages, worker scripts, the mutation runner).
+TEST_FOLDERS_OF_NO_PACKAGE = {"api", "helpers", "fakes", "host_workers", "mutations", "recording_backend"}
+
+
+def test_tests_mirror_the_package() -> None:
+    """A test module lives in ``tests/<room>/`` for the room of ``magi_core`` it tests (repository-wide rules at the
+    top), and its name is unique: pytest imports test modules by name, with no package around them."""
+    tests = Path(__file__).resolve().parent
+    modules = sorted(tests.rglob("test_*.py"))
+    rooms = {p.relative_to(tests).parts[0] for p in modules if len(p.relative_to(tests).parts) > 1}
+    packages = {init.parent.name for init in ROOT.glob("*/__init__.py")}
+    stray = sorted(rooms - packages - TEST_FOLDERS_OF_NO_PACKAGE)
+    assert not stray, f"test folders that mirror no package of magi_core: {stray}; move their tests to the room tested"
+    names = [p.name for p in modules if p.relative_to(tests).parts[0] not in {"fakes", "recording_backend"}]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"test module names used twice: {twice}; name each after what it tests"
+
+
 def test_graph_sees_real_imports() -> None:
     """Sanity: known edges of the real package are found, TYPE_CHECKING-only ones are not."""
     graph = import_graph()

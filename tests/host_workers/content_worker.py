@@ -1,4 +1,4 @@
-"""One rank of the share-by-content scenarios, started by torchrun from tests/test_host_content_sharing.py.
+"""One rank of the share-by-content scenarios, started by torchrun from tests/host/test_host_content_sharing.py.
 
 Every scenario runs in this one process, one after the other (a launch costs seconds on 2 cores); each writes
 its record under ``<out>/rank<R>.json``. The model: a dense trunk, an expert shard, an embedding and a buffer.

@@ -35,4 +35,4 @@ print('rank $r', {k: d.get(k) for k in ('mode', 'mappings', 'weight_bytes', 'pin
   done
   rm -rf "$dir"
 done
-timeout 400 python3 -m pytest tests/test_host_accelerator.py tests/test_host_sharing.py -q -p no:cacheprovider 2>&1 | tail -15
+timeout 400 python3 -m pytest tests/host/test_host_accelerator.py tests/host/test_host_sharing.py -q -p no:cacheprovider 2>&1 | tail -15

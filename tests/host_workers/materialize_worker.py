@@ -1,4 +1,4 @@
-"""One rank of a host-materialisation scenario, started by torchrun from tests/test_host_distributed.py.
+"""One rank of a host-materialisation scenario, started by torchrun from tests/host/test_host_distributed.py.
 
 Writes ``<out>/rank<R>.json`` with what the test checks. Scenarios:
 ``ep``       every rank builds its own experts; EP size from MAGI_EP_SIZE (or --unsafe to force one file)

@@ -1,5 +1,5 @@
 """One rank of the expert-parallel MoE scenarios (transformers' Mixtral), started by torchrun from
-tests/test_moe_expert_parallel.py and benchmarks/moe_ep.py.
+tests/host/test_moe_expert_parallel.py and benchmarks/moe_ep.py.
 
 Every EP size given by ``--ep`` runs in this one process, one after the other (a launch costs seconds); the
 records go to ``<out>/rank<R>.json``. In each, every rank builds ``MixtralForCausalLM`` on the meta device and

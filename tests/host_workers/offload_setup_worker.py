@@ -1,4 +1,4 @@
-"""One rank of tests/test_offload_setup_errors.py, started by torchrun (gloo, a short process-group timeout).
+"""One rank of tests/api/test_offload_setup_errors.py, started by torchrun (gloo, a short process-group timeout).
 
 For each scenario one rank passes a bad argument and every rank calls ``magi_core.offload`` (or ``load``):
 ``dict``      the bad rank passes a dict where an OffloadConfig belongs

@@ -1,4 +1,4 @@
-"""One rank of tests/test_host_setup_errors.py, started by torchrun (gloo, a short process-group timeout).
+"""One rank of tests/host/test_host_setup_errors.py, started by torchrun (gloo, a short process-group timeout).
 
 For each scenario one rank gets a bad input and every rank calls ``magi_core.load`` on a meta model:
 ``missing``    the bad rank's checkpoint does not exist

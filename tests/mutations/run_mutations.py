@@ -44,9 +44,10 @@ ENVS: dict[str, dict[str, str]] = {
 PYTEST_ARGS: dict[str, tuple[str, ...]] = {"core": ("-m", "not emulated"),
                                            "privateuse1": ("-p", "torch_magidev.pytest_plugin")}
 
-EXECUTOR_PU1 = ("tests/test_executor.py", "tests/test_executor_models.py", "tests/test_offload_api.py",
-                "tests/test_executor_device_inputs.py", "tests/test_handle.py", "tests/test_weight_updates.py",
-                "tests/test_transfer.py")
+EXECUTOR_PU1 = ("tests/execute/test_executor.py", "tests/execute/test_executor_models.py",
+                "tests/api/test_offload_api.py", "tests/compile/test_executor_device_inputs.py",
+                "tests/compile/test_handle.py", "tests/execute/test_weight_updates.py",
+                "tests/execute/test_transfer.py")
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/executor.py",
         "                release(env[w], compute)\n                env[w] = None\n",
         "                env[w] = None\n",
-        (("core", ("tests/test_transfer.py", "tests/test_executor.py")), ("privateuse1", EXECUTOR_PU1)),
+        (("core", ("tests/execute/test_transfer.py", "tests/execute/test_executor.py")), ("privateuse1", EXECUTOR_PU1)),
     ),
     Mutation(
         "b", "facade: Backend.record_stream does nothing",
@@ -78,7 +79,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if tensor.device.type == self.device_type and self.is_accelerator:\n"
         "            tensor.record_stream(stream)\n",
         "        return None\n",
-        (("core", ("tests/test_transfer.py",)), ("privateuse1", EXECUTOR_PU1)),
+        (("core", ("tests/execute/test_transfer.py",)), ("privateuse1", EXECUTOR_PU1)),
     ),
     Mutation(
         "c", "residency: a resident copy is not re-acquired when its host tensor is replaced (identity/pointer check "
@@ -86,7 +87,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/residency.py",
         "            if h is not hosts[k] or h.data_ptr() != ptrs[k]:\n",
         "            if hosts[k] is None:\n",
-        (("core", ("tests/test_weight_updates.py", "tests/test_executor_recording.py")),
+        (("core", ("tests/execute/test_weight_updates.py", "tests/execute/test_executor_recording.py")),
          ("privateuse1", EXECUTOR_PU1)),
     ),
     Mutation(
@@ -94,28 +95,29 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/executor.py",
         "            if c is not None and not changed.intersection(ws):",
         "            if c is not None:",
-        (("core", ("tests/test_weight_updates.py", "tests/test_executor_recording.py")), ("privateuse1", EXECUTOR_PU1)),
+        (("core", ("tests/execute/test_weight_updates.py", "tests/execute/test_executor_recording.py")),
+         ("privateuse1", EXECUTOR_PU1)),
     ),
     Mutation(
         "e", "manager: the facade ignores the backend's to-method aliases and uses ('to',)",
         "magi_core/plugin/manager.py",
         'aliases = tuple(raw_aliases) if raw_aliases else ("to",)',
         'aliases = ("to",)',
-        (("core", ("tests/test_registry.py", "tests/test_device_placement.py")),),
+        (("core", ("tests/plugin/test_registry.py", "tests/passes/test_device_placement.py")),),
     ),
     Mutation(
         "f1", "materialize: a reader rank skips its full check of the shared file (every byte)",
         "magi_core/host/materialize/file_round.py",
         "differing = self._verify(arenas, total)",
         "differing = []",
-        (("core", ("tests/test_host_distributed.py",)),),
+        (("core", ("tests/host/test_host_distributed.py",)),),
     ),
     Mutation(
         "f2", "materialize: a reader rank skips its sampled check of the shared file (verify_shared='sampled')",
         "magi_core/host/materialize/file_round.py",
         "self._check_sampled(arenas, own_fps)",
         "pass",
-        (("core", ("tests/test_host_distributed.py",)),),
+        (("core", ("tests/host/test_host_distributed.py",)),),
     ),
     Mutation(
         "f3", "shm: a reader opens the shared file without checking its type, owner, mode and size",
@@ -123,42 +125,42 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077\n"
         "            or st.st_size != nbytes):\n",
         "    if False:\n",
-        (("core", ("tests/test_host_shm.py",)),),
+        (("core", ("tests/host/test_host_shm.py",)),),
     ),
     Mutation(
         "f4", "shm: stale-file cleanup forgets to check the file's owner uid",
         "magi_core/host/shm.py",
         "if not stat.S_ISREG(lst.st_mode) or lst.st_uid != uid:",
         "if not stat.S_ISREG(lst.st_mode):",
-        (("core", ("tests/test_host_shm.py",)),),
+        (("core", ("tests/host/test_host_shm.py",)),),
     ),
     Mutation(
         "f5", "shm: stale-file cleanup forgets to check the file's type (a symlink, a fifo)",
         "magi_core/host/shm.py",
         "if not stat.S_ISREG(lst.st_mode) or lst.st_uid != uid:",
         "if lst.st_uid != uid:",
-        (("core", ("tests/test_host_shm.py",)),),
+        (("core", ("tests/host/test_host_shm.py",)),),
     ),
     Mutation(
         "h", "packing: batches alive at the same time may share bytes of the unit transfer's device buffer",
         "magi_core/plan/packing.py",
         "    return any(lo1 <= hi2 and lo2 <= hi1 for lo1, hi1 in a for lo2, hi2 in b)\n",
         "    return False\n",
-        (("core", ("tests/test_transfer.py",)), ("privateuse1", EXECUTOR_PU1)),
+        (("core", ("tests/execute/test_transfer.py",)), ("privateuse1", EXECUTOR_PU1)),
     ),
     Mutation(
         "i", "budget fit: a shrunk planning budget the planner refuses fails the call instead of bisecting back up",
         "magi_core/compile/runtime.py",
         "                if budget >= limit or failed is None:\n",
         "                if True:\n",
-        (("core", ("tests/test_executor.py",)),),
+        (("core", ("tests/execute/test_executor.py",)),),
     ),
     Mutation(
         "g", "device placement: a lifted host scalar's .to(cpu) is rewritten to the device",
         "magi_core/passes/device_placement.py",
         "            return False  # a host scalar moved to the host: leave it\n",
         "            pass  # mutated: the host scalar's .to(cpu) is rewritten too\n",
-        (("core", ("tests/test_passes_properties.py",)),),
+        (("core", ("tests/passes/test_passes_properties.py",)),),
     ),
     Mutation(
         "j", "shared unit compiles: the structure key leaves out the input layouts (a unit reuses code compiled "
@@ -166,7 +168,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/unit_compile.py",
         "        key = (tuple(parts), tuple(metas))\n",
         "        key = (tuple(parts), ())\n",
-        (("core", ("tests/test_unit_direct.py",)),),
+        (("core", ("tests/execute/test_unit_direct.py",)),),
     ),
     Mutation(
         "k", "pinning while filling: a piece is registered before every tensor in it is written (its pages could "
@@ -174,7 +176,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/host/pinning.py",
         "            if hi <= written_upto:\n",
         "            if hi <= a.nbytes:\n",
-        (("core", ("tests/test_host_pin_ahead.py",)),),
+        (("core", ("tests/host/test_host_pin_ahead.py",)),),
     ),
     Mutation(
         "l", "pinning while filling: the pinning thread registers without making the caller's device current "
@@ -183,7 +185,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/host/materialize/file_round.py",
         "            for a in mine], rank=call.rank, bind=bind)\n",
         "            for a in mine], rank=call.rank, bind=None)\n",
-        (("core", ("tests/test_host_pin_ahead.py",)),),
+        (("core", ("tests/host/test_host_pin_ahead.py",)),),
     ),
     Mutation(
         "m", "unit transfer: one copy per host storage, whatever the registrations (an arena pinned in pieces, or "
@@ -191,7 +193,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/transfer/unit.py",
         "        reg = self._registered\n",
         "        reg = RegisteredRanges()  # mutated: no registration known\n",
-        (("privateuse1", ("tests/test_transfer.py",)),),
+        (("privateuse1", ("tests/execute/test_transfer.py",)),),
     ),
     Mutation(
         "n", "load: a slot converted to the model's dtype counts as read in place, so its pages are not allocated "
@@ -199,7 +201,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/host/loading/safetensors_source.py",
         "        return e is not None and e.info.dtype == dtype\n",
         "        return e is not None\n",
-        (("core", ("tests/test_host_shm.py",)),),
+        (("core", ("tests/host/test_host_shm.py",)),),
     ),
     Mutation(
         "o", "residency: the address recorded for a resident copy is read from the parameter after the copy, not "
@@ -207,7 +209,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/residency.py",
         "                ptrs[k] = data.data_ptr()\n",
         "                ptrs[k] = h.data_ptr()\n",
-        (("core", ("tests/test_weight_updates.py",)),),
+        (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
     Mutation(
         "p", "planning: the bandwidth probe is broadcast from rank 0 again, so a rank's model call waits for the "
@@ -215,7 +217,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/compile/runtime.py",
         "                                                         broadcast=False))\n",
         "                                                         broadcast=True))\n",
-        (("core", ("tests/test_host_distributed.py::test_ranks_call_their_models_independently",)),),
+        (("core", ("tests/host/test_host_distributed.py::test_ranks_call_their_models_independently",)),),
     ),
     Mutation(
         "q", "materialize: a problem of one rank's model is raised on that rank at once, before the first gather, "
@@ -223,7 +225,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/host/materialize/orchestrate.py",
         "        except MagiError as exc:\n            state_err, entries = exc, []\n",
         "        except MagiError:\n            raise\n",
-        (("core", ("tests/test_host_distributed.py::test_a_problem_of_one_ranks_model_raises_on_every_rank",)),),
+        (("core", ("tests/host/test_host_distributed.py::test_a_problem_of_one_ranks_model_raises_on_every_rank",)),),
     ),
     Mutation(
         "r", "residency: a resident copy another runtime (input shape) made is taken as it is, so an edit followed by "
@@ -231,7 +233,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/residency.py",
         "                if not made and i in changed:",
         "                if False:",
-        (("core", ("tests/test_weight_updates.py",)),),
+        (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
     Mutation(
         "s", "transfer: copies read the weight itself, not a view taken when they are issued, so a .data rebound by "
@@ -239,7 +241,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/transfer/base.py",
         "        sources = [h.detach() for h in hosts]\n",
         "        sources = list(hosts)\n",
-        (("core", ("tests/test_weight_updates.py",)), ("privateuse1", ("tests/test_weight_updates.py",))),
+        (("core", ("tests/execute/test_weight_updates.py",)),
+         ("privateuse1", ("tests/execute/test_weight_updates.py",))),
     ),
     Mutation(
         "t", "passes: mutation tracking stops following indexing views, so a buffer written through buf[i].copy_() "
@@ -247,7 +250,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/passes/weights.py",
         "        if user.target is operator.getitem:\n            return True\n",
         "        if user.target is operator.getitem:\n            return False\n",
-        (("core", ("tests/test_weight_updates.py",)),),
+        (("core", ("tests/execute/test_weight_updates.py",)),),
         extra=(("magi_core/passes/weights.py", '"view_as_real", "view_as_complex", "__getitem__",',
                 '"view_as_real", "view_as_complex",'),),
     ),
@@ -257,7 +260,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/transfer/exchange.py",
         "(id(args[w]), args[w].data_ptr()) for ws in batches for w in ws",
         "(id(args[w]),) for ws in batches for w in ws",
-        (("core", ("tests/test_exchange.py",)),),
+        (("core", ("tests/compile/test_exchange.py",)),),
     ),
     Mutation(
         "v", "unit transfer: batches issued at step start (before any unit's gate) are not ordered after the compute "
@@ -265,7 +268,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/transfer/unit.py",
         "        if slot.gate:\n",
         "        if False:\n",
-        (("core", ("tests/test_executor_recording.py",)),),
+        (("core", ("tests/execute/test_executor_recording.py",)),),
     ),
     Mutation(
         "w", "executor: close() does not wait for the step running, so a release racing a call tears its state down "
@@ -273,7 +276,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/executor.py",
         "        with self._lock:\n            self._close()\n",
         "        self._close()\n",
-        (("core", ("tests/test_offload_api.py",)),),
+        (("core", ("tests/api/test_offload_api.py",)),),
     ),
     Mutation(
         "x", "planning: HEURISTIC keeps the latest-trigger plan whatever it holds, so copies queued ahead of compute "
@@ -281,7 +284,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/plan/heuristic.py",
         "            plan = fewest_copies_ahead(plan, profiles, bw, margin, bandwidth_Bps)\n",
         "            plan = plan\n",
-        (("core", ("tests/test_plan_footprint.py",)),),
+        (("core", ("tests/plan/test_plan_footprint.py",)),),
     ),
     Mutation(
         "y", "load: a non-persistent buffer is taken from reset_parameters() without checking that the reset sets it "
@@ -289,7 +292,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/host/loading/buffers.py",
         "    for fill in (0, 255):\n",
         "    for fill in (0, 0):\n",
-        (("core", ("tests/test_host_loading.py",)),),
+        (("core", ("tests/host/test_host_loading.py",)),),
     ),
     Mutation(
         "z", "exchange: copy-on-write host mappings are identified by file and offset, so a rank whose private pages "
@@ -297,8 +300,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/compile/exchange.py",
         "if arena is None or arena.inode is None or arena.private or arena.mapping is None:",
         "if arena is None or arena.inode is None or arena.mapping is None:",
-        (("core", ("tests/test_host_distributed.py::test_ep1_write_on_one_rank_never_reaches_another",
-                   "tests/test_host_fork.py")),),
+        (("core", ("tests/host/test_host_distributed.py::test_ep1_write_on_one_rank_never_reaches_another",
+                   "tests/host/test_host_fork.py")),),
     ),
     Mutation(
         "aa", "fork: a forked child keeps the parent's writable shared mappings, so its in-place writes change the "
@@ -306,14 +309,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/host/fork.py",
         "    if not entries:\n        return\n",
         "    if True:\n        return\n",
-        (("core", ("tests/test_host_fork.py",)),),
+        (("core", ("tests/host/test_host_fork.py",)),),
     ),
     Mutation(
         "ab", "safetensors: overlapping byte ranges in a header are accepted, so one tensor loads another's bytes",
         "magi_core/host/loading/safetensors_source.py",
         "        if begin < pos:\n",
         "        if False:\n",
-        (("core", ("tests/test_host_source_checks.py",)),),
+        (("core", ("tests/host/test_host_source_checks.py",)),),
     ),
     Mutation(
         "ac", "materialize: a rank whose weight source cannot be opened raises at once, before the first gather, so "
@@ -321,7 +324,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/host/materialize/orchestrate.py",
         "        except (MagiError, OSError, TypeError, ValueError) as exc:\n            setup = exc\n",
         "        except (MagiError, OSError, TypeError, ValueError):\n            raise\n",
-        (("core", ("tests/test_host_setup_errors.py",)),),
+        (("core", ("tests/host/test_host_setup_errors.py",)),),
     ),
     Mutation(
         "ad", "unit split: a host value written in place counts as free, so what is computed from it moves to its "
@@ -329,7 +332,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/passes/split.py",
         "                if not is_mutated(ph):\n                    sources.add(ph)\n",
         "                if True:\n                    sources.add(ph)\n",
-        (("core", ("tests/test_split.py",)),),
+        (("core", ("tests/passes/test_split.py",)),),
     ),
     Mutation(
         "ae", "budget: a graph still warming up is left out of the copy buffer the model's graphs share, so a graph "
@@ -337,7 +340,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/compile/runtime.py",
         "        same = [r for r in on_device if shared_buf is not None",
         "        same = [r for r in on_device if r._planned and shared_buf is not None",
-        (("privateuse1", ("tests/test_device_fit.py",)),),
+        (("privateuse1", ("tests/compile/test_device_fit.py",)),),
     ),
     Mutation(
         "af", "shared copy buffer: kept once no plan needs one, next to the resident weights of plans that stream "
@@ -346,7 +349,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if need == self.nbytes:\n",
         "        if need == self.nbytes or need == 0:\n",
         (("privateuse1",
-          ("tests/test_executor.py::test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget",)),),
+          ("tests/execute/test_executor.py::test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget",)),),
     ),
     Mutation(
         "ag", "two graphs: a graph planned first never reads resident the weights a later graph of the model keeps "
@@ -354,7 +357,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/compile/runtime.py",
         "                    r._replan = True\n",
         "                    r._replan = False\n",
-        (("privateuse1", ("tests/test_device_fit.py",)),),
+        (("privateuse1", ("tests/compile/test_device_fit.py",)),),
     ),
     Mutation(
         "ah", "device placement: a fake constant is moved to the device with its real value (the emulated device "
@@ -362,7 +365,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/passes/device_placement.py",
         "                    if getattr(t, \"constant\", None) is not None:",
         "                    if False:",
-        (("privateuse1", ("tests/test_generate.py",)),),
+        (("privateuse1", ("tests/compile/test_generate.py",)),),
     ),
     Mutation(
         "ai", "fit the card: the least-memory plan's budget is not held within the room and below the fastest plan "
@@ -370,7 +373,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/compile/runtime.py",
         "            budget = min(budget, spare, full - 1)",
         "            budget = max(1, budget)",
-        (("privateuse1", ("tests/test_device_fit.py",)),),
+        (("privateuse1", ("tests/compile/test_device_fit.py",)),),
         extra=(("magi_core/compile/runtime.py", "            if plan.predicted_step_ms <= target and holds < full:",
                 "            if plan.predicted_step_ms <= target:"),),
     ),
@@ -380,7 +383,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/unit_compile.py",
         "    dynamic = _dynamic_placeholders(module)",
         "    dynamic = [False for _ in _dynamic_placeholders(module)]",
-        (("core", ("tests/test_generate.py",)),),
+        (("core", ("tests/compile/test_generate.py",)),),
+    ),
+    Mutation(
+        "ak", "runtime: a graph left warming up keeps its warm-up copy buffer while another graph of the model plans "
+        "(DynamicCache's first-decode graph, run once, held its buffer's room next to the decode plan)",
+        "magi_core/compile/runtime.py",
+        "            self._idle_peers()\n",
+        "",
+        (("core",
+          ("tests/execute/test_executor.py::test_a_graph_left_warming_up_holds_nothing_while_another_plans",)),),
     ),
 )
 

@@ -17,7 +17,7 @@ from magi_core.compile.handle import OffloadHandle
 from magi_core.plugin.manager import get_backend
 
 sys.path.insert(0, sys.argv[1])  # the tests directory
-from test_executor_models import TableStack, TiedLM  # noqa: E402
+from helpers.models import TableStack, TiedLM  # noqa: E402
 
 
 def steady_facts(f, args, ex, base0: int, ref: torch.Tensor) -> dict:

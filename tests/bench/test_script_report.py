@@ -11,7 +11,7 @@ import pytest
 
 from magi_core.bench import report
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 sys.path.insert(0, str(BENCHMARKS))
 from script_report import (  # noqa: E402

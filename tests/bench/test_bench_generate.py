@@ -26,7 +26,7 @@ from magi_core.plugin.manager import get_backend
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NEW = 5
 #: The compiled resident model on the host through aot_eager (Inductor would need a C++ toolchain).
 RESIDENT = ["--compile-on-cpu", "--compile-backend", "aot_eager"]

@@ -128,7 +128,7 @@ def test_report_markdown_and_plot(cpu_run: tuple[dict[str, Any], Path]) -> None:
 def test_report_script_regenerates_from_json(cpu_run: tuple[dict[str, Any], Path], tmp_path: Path) -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_report", Path(__file__).parents[1] / "benchmarks/report.py")
+    spec = importlib.util.spec_from_file_location("bench_report", Path(__file__).parents[2] / "benchmarks/report.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

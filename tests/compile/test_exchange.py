@@ -22,7 +22,7 @@ from magi_core.execute.actions import StepActions
 from magi_core.execute.transfer.exchange import plan_fingerprint
 from magi_core.plugin.manager import get_backend
 
-WORKER = Path(__file__).resolve().parent / "helpers" / "exchange_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "helpers" / "exchange_worker.py"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from magi_core.passes.split import split_into_units
 from magi_core.passes.weights import node_value
 
 META = torch.device("meta")
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def _move_metadata_only(gm: torch.fx.GraphModule) -> None:

@@ -1,7 +1,7 @@
 """Property 5 on the real accelerator: the rewritten graph runs there and its outputs equal the CPU run.
 
 Skipped cleanly unless the active magi backend is an accelerator with a device present.
-Run on the GPU host: ``pytest -m accelerator tests/test_passes_accelerator.py``.
+Run on the GPU host: ``pytest -m accelerator tests/passes/test_passes_accelerator.py``.
 """
 
 from __future__ import annotations

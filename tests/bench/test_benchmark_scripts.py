@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script(name: str, tmp_path: Path, *argv: str) -> dict:

@@ -15,9 +15,9 @@ import types
 
 import pytest
 import torch
+from helpers.models import Breaks, PassThrough, TupleKw
 from helpers.ranges import registered_ranges
 from helpers.tracking import compile_tracked, newest
-from test_executor_models import Breaks, PassThrough, TupleKw
 
 from magi_core.api import handle, offload, release
 from magi_core.compile.device_inputs import ProxyPool, replace_device_tensors, restore_device_tensors

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 REC = HERE / "recording_backend"
 
 

@@ -88,7 +88,7 @@ def test_merge_refuses_parts_of_other_machines_or_software(field: str, value: st
 def test_report_script_merges_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_report", Path(__file__).parents[1] / "benchmarks/report.py")
+    spec = importlib.util.spec_from_file_location("bench_report", Path(__file__).parents[2] / "benchmarks/report.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.models import Layer, MixedStack, TableStack, TiedLM, TupleKw
 from helpers.tracking import HANDLES, compile_tracked, compiles, newest
-from test_executor_models import Layer, MixedStack, TableStack, TiedLM, TupleKw
 
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
 from magi_core.compile.runtime import default_planner
@@ -528,6 +528,39 @@ def test_budget_fit_bisects_back_up_when_a_shrunk_budget_is_too_small_to_plan():
             close(f(x), model(x))
     assert refused and max(refused) < budget  # the shrink went below what streaming needs
     assert rt.phase == "planned" and _on_device([rt]) <= budget
+
+
+@pytest.mark.parametrize("limit", ["ratio", "budget"])
+def test_a_graph_left_warming_up_holds_nothing_while_another_plans(limit):
+    """A graph called once (a first decoding step, a shape seen once) gives its warm-up copy buffer up when another
+    graph of the model plans: the device then holds the planned graph's weights alone (under a budget of the
+    weights' bytes the planned graph keeps them all). Called again, the idle graph warms up reading the weights
+    the other keeps resident, plans, and its outputs stay right."""
+    model = TableStack(n=4).eval()
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    config = {"gpu_resident_weight_ratio": 1.0} if limit == "ratio" else {"device_memory_budget_bytes": weights}
+    xa, xb = (torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (3, 5))
+    f = compile_tracked(model, dynamic=False,
+                        options={"unit_compiler": "eager", "warmup_calls": 2, "transfer": "unit", **config})
+    with torch.no_grad():
+        close(f(xa), model(xa))
+        (a,) = HANDLES[-1].runtimes
+        assert a.phase == "warmup" and a.executor.transfer.buffer_bytes > 0
+        for _ in range(4):
+            close(f(xb), model(xb))
+        a, b = HANDLES[-1].runtimes
+        assert b.phase == "planned" and sum(b.resident_hosts.values()) == weights
+        assert a.phase == "idle" and a.executor.transfer.buffer_bytes == 0 and a.executor.plan is None
+        shared = b.executor.transfer.shared
+        assert shared is None or shared.nbytes == 0
+        assert _on_device([a, b]) == weights
+        stats = HANDLES[-1].stats()
+        assert [s.phase for s in stats] == ["idle", "planned"] and stats[0].transfer_buffer_bytes == 0
+        for _ in range(4):
+            close(f(xa), model(xa))
+            close(f(xb), model(xb))
+            assert _on_device([a, b]) == weights
+    assert a.phase == "planned" and a.resident_hosts == b.resident_hosts
 
 
 def test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget():

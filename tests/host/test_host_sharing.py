@@ -20,7 +20,7 @@ from magi_core.errors import ConfigError
 from magi_core.host import HostOptions, shm
 from magi_core.host.arena import fingerprint, same_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
