@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import shutil
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -80,20 +76,6 @@ def _torch_nn_models() -> dict[str, nn.Module]:
     }
 
 
-@pytest.fixture
-def shm_dir(tmp_path, monkeypatch):
-    # a private directory in memory (tmpfs), as in use: an accelerator runtime refuses to pin file-backed pages of a
-    # disk filesystem (CUDA: "invalid argument" on ext4), which would leave nothing registered to check
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    path = base / f"magi-test-api-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    monkeypatch.setenv("MAGI_SHM_DIR", str(path))
-    torch._dynamo.reset()
-    try:
-        yield path
-    finally:
-        torch._dynamo.reset()
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("kind", ["Sequential", "Linear", "ModuleList"])
@@ -212,13 +194,6 @@ def _offloaded(model: nn.Module) -> Iterator[nn.Module]:
         release(model)
 
 
-@pytest.fixture
-def accelerator():
-    """The active backend, when its device has memory of its own (magidev, CUDA); skips on the CPU backend."""
-    backend = get_backend()
-    if not backend.is_accelerator:
-        pytest.skip("needs a device with its own memory (magidev, CUDA): on the CPU backend the host is the device")
-    return backend
 
 
 class _Scaled(nn.Module):

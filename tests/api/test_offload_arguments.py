@@ -3,10 +3,7 @@ host work; the config is resolved once on its way in; the resident ratio keeps o
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +25,6 @@ from magi_core.plan.registry import get_scheduler
 CFG = OffloadConfig(unit_compiler="eager", warmup_calls=2)
 
 
-@pytest.fixture
-def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    path = base / f"magi-test-args-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    monkeypatch.setenv("MAGI_SHM_DIR", str(path))
-    torch._dynamo.reset()
-    try:
-        yield path
-    finally:
-        torch._dynamo.reset()
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class Stack(nn.Module):

@@ -36,13 +36,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.fixture
-def accelerator():
-    """The active backend, when its device has memory of its own (magidev, CUDA); skips on the CPU backend."""
-    backend = get_backend()
-    if not backend.is_accelerator:
-        pytest.skip("needs a device with its own memory (magidev, CUDA): on the CPU backend the host is the device")
-    return backend
 
 
 def _on_device(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -3,10 +3,7 @@ resident; tied weights stay one tensor; a graph break is an error naming the fix
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +39,6 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-@pytest.fixture
-def shm_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    path = base / f"magi-test-models-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    monkeypatch.setenv("MAGI_SHM_DIR", str(path))
-    torch._dynamo.reset()
-    try:
-        yield path
-        assert list(path.iterdir()) == [], "files left in the shm directory"
-    finally:
-        torch._dynamo.reset()
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _host(value: Any) -> Any:
