@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from magi_core.compile import submodules
 from magi_core.compile.device_inputs import OffloadedForward
 from magi_core.compile.handle import OffloadHandle
 from magi_core.config import OffloadConfig, resolve_config
@@ -118,6 +119,12 @@ def _offload(model: M, config: OffloadConfig | None, host_options: HostOptions |
         h.forward = _compile_resolved(model, cfg, h.name, h, compile_kwargs)
         for name in methods:  # an instance attribute: it shadows the class's method until release(restore=True)
             h.methods[name] = _compile_resolved(method_entry(model, name), cfg, f"{h.name}.{name}", h, compile_kwargs)
+        # a submodule called on its own with device inputs (an encoder-decoder's generate calls the encoder alone)
+        # compiles on its first such call, into the same handle
+        backend = get_backend()
+        h.submodules = submodules.install(
+            model, lambda module, path: _compile_resolved(module, cfg, f"{h.name}.{path}", h, compile_kwargs),
+            _device_predicate(backend.device_type, backend.is_accelerator))
         model._compiled_call_impl = h.forward
         model.__dict__.update(h.methods)
         model.__dict__[_HANDLE_ATTR] = h
@@ -288,6 +295,7 @@ def _uninstall(model: nn.Module, h: OffloadHandle) -> None:
     """Take what offloading installed on ``model`` away again (the eager forward and methods come back)."""
     if model.__dict__.get("_compiled_call_impl") is h.forward:
         model._compiled_call_impl = None
+    submodules.uninstall(h.submodules)
     for name, fwd in h.methods.items():
         if model.__dict__.get(name) is fwd:
             del model.__dict__[name]

@@ -27,6 +27,7 @@ from magi_core.execute.transfer.shared import SharedBuffer
 if TYPE_CHECKING:
     from magi_core.compile.device_inputs import OffloadedForward
     from magi_core.compile.runtime import OffloadRuntime
+    from magi_core.compile.submodules import SubmoduleEntry
     from magi_core.config import OffloadConfig
     from magi_core.host.materialize import HostWeights
 
@@ -100,6 +101,9 @@ class OffloadHandle:
         """The host-side forward ``offload`` installed on the model."""
         self.methods: dict[str, OffloadedForward] = {}
         """The other methods ``offload(..., methods=...)`` installed, by name."""
+        self.submodules: dict[str, SubmoduleEntry] = {}
+        """What a direct call of each submodule holding weights runs (its offloaded forward, compiled on the first
+        direct call), by qualified name."""
         self.released = False
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()

@@ -271,6 +271,42 @@ def test_methods_other_than_forward_run_offloaded(shm_dir):
     assert list(shm_dir.iterdir()) == []
 
 
+def test_a_submodule_called_on_its_own_runs_offloaded(shm_dir, accelerator):
+    """A submodule called directly with device inputs (as an encoder-decoder's ``generate`` calls the encoder)
+    compiles into the model's handle on its first such call and runs offloaded; with host inputs it runs eagerly on
+    the host, as before offloading; inside the model's own graph it is traced inline."""
+    torch.manual_seed(0)
+    m = _Codec().eval()
+    ref = _Codec().eval()
+    ref.load_state_dict(m.state_dict())
+    backend = accelerator
+    offload(m, OffloadConfig(gpu_resident_weight_ratio=0.5))
+    try:
+        h = handle(m)
+        assert set(h.submodules) == {"enc", "enc.0", "enc.2", "dec", "dec.0", "dec.2"}  # those holding weights
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(m(x).cpu(), ref(x))
+            assert all(e.forward is None for e in h.submodules.values()), "traced inline in the model's graph"
+            graphs = h.compile_count
+            for _ in range(4):
+                z = m.enc(x.to(backend.device()))  # a device input: host weights and device inputs meet offloaded
+                assert z.device.type == backend.device_type
+                torch.testing.assert_close(z.cpu(), ref.enc(x))
+            assert h.submodules["enc"].forward is not None and h.compile_count == graphs + 1
+            torch.testing.assert_close(m(x).cpu(), ref(x))
+            host = m.dec(ref.enc(x))  # host inputs: eager with the host weights, nothing compiled
+            assert host.device.type == "cpu" and h.submodules["dec"].forward is None
+            torch.testing.assert_close(host, ref.dec(ref.enc(x)))
+        assert len(h.runtimes) == 2 and all(s.phase == "planned" for s in h.stats())
+    finally:
+        release(m, restore=True)
+    assert all("_compiled_call_impl" not in mod.__dict__ or mod._compiled_call_impl is None for mod in m.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(m.enc(x), ref.enc(x))  # eager again, weights kept
+
+
 @pytest.mark.parametrize("methods", [("nope",), ("forward",), ("_private",), ("decode", 3)])
 def test_methods_that_are_not_methods_are_refused_before_any_host_work(methods, shm_dir):
     m = _Codec().eval()

@@ -206,9 +206,9 @@ def _held(dm: object, before: int) -> int:
 
 
 def test_graphs_of_one_model_hold_one_budget_together(device_cap, two_graphs) -> None:
-    """Two input shapes are two graphs sharing the model's budget: the one planned first leaves room for the copy
-    buffer of the one still warming up (allocated next to its resident weights), and after both planned the model
-    holds no more than the budget (as a prefill and decode graph of ``generate`` do)."""
+    """Two input shapes are two graphs sharing the model's budget: the one still warming up gives its copy buffer up
+    while the other plans, warms up again next to the other's resident weights when called, and after both planned
+    the model holds no more than the budget at every step (as a prefill and decode graph of ``generate`` do)."""
     device_cap(512 * MIB)
     budget = 144 * MIB  # room for every weight, not for every weight and a copy buffer of two blocks as well
     model = Blocks().eval()
@@ -223,8 +223,8 @@ def test_graphs_of_one_model_hold_one_budget_together(device_cap, two_graphs) ->
                                                    bandwidth_safety_factor=0.01))
             model(large)  # the second graph's first call: it warms up, its copy buffer allocated
             for shape, ref in [(small, ref_small)] * 5 + [(large, ref_large)] * 5 + [(small, ref_small)] * 3:
-                # the first graph plans while the second is still warming up; then the second plans; then the
-                # first plans again, reading resident what the second keeps resident
+                # the first graph plans while the second is still warming up (idle meanwhile); then the second
+                # plans; then the first plans again, reading resident what the second keeps resident
                 torch.testing.assert_close(model(shape).cpu(), ref)
                 held = _held(dm, before)
                 assert held <= budget, [(s.phase, s.resident_bytes // MIB, s.transfer_buffer_bytes // MIB)

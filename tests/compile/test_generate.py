@@ -171,6 +171,57 @@ def test_inductor_units_serve_every_length_of_a_growing_cache() -> None:
         release(model, restore=True)
 
 
+def _seq2seq(kind: str) -> tuple[Any, Any]:
+    """(an encoder-decoder to offload, its eager twin on the backend's device), the same random weights."""
+    if kind == "t5":
+        cls: Any = transformers.T5ForConditionalGeneration
+        cfg: Any = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_decoder_layers=2,
+                                         num_heads=4, d_kv=16, decoder_start_token_id=0, pad_token_id=0,
+                                         eos_token_id=None)
+    else:
+        cls = transformers.BartForConditionalGeneration
+        cfg = transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                      decoder_ffn_dim=128, max_position_embeddings=64, eos_token_id=None,
+                                      forced_eos_token_id=None)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.device(get_backend().device()):
+        ref = cls(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_encoder_decoder_generate_runs_the_encoder_offloaded(kind: str, cache: str) -> None:
+    """An encoder-decoder's ``generate`` calls the encoder on its own, then the model for each token: on a device of
+    its own the encoder's direct call (device inputs, host weights) runs offloaded too, and the scores of every step
+    are eager's."""
+    model, ref = _seq2seq(kind)
+    ids, mask = _prompt(2)
+    kw: dict[str, Any] = {"max_new_tokens": 6, "output_scores": True}
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    expected = _generate(ref, ids, mask, **kw)
+    offload(model, CFG)
+    try:
+        for _ in range(2):
+            out = _generate(model, ids, mask, **kw)
+            torch.testing.assert_close(out.sequences.cpu(), expected.sequences.cpu(), rtol=0, atol=0)
+            for got, want in zip(out.scores, expected.scores, strict=True):
+                torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
+        h = handle(model)
+        encoder = model.get_encoder()
+        (path,) = [p for p, entry in h.submodules.items() if entry.module is encoder]
+        on_device = get_backend().is_accelerator  # else the host is the device: the encoder runs eagerly there
+        assert (h.submodules[path].forward is not None) == on_device, "the encoder's direct call ran offloaded"
+        assert all(e.forward is None for p, e in h.submodules.items() if p != path), "nothing else ran on its own"
+    finally:
+        release(model, restore=True)
+    assert encoder.__dict__.get("_compiled_call_impl") is None, "release(restore=True) gives the eager call back"
+
+
 def test_static_cache_is_written_in_place_across_steps() -> None:
     """A ``StaticCache`` passed by the caller keeps its preallocated tensors: every decode step writes into the same
     device tensors (no copy of the cache per step), and they end up holding what eager generate's cache holds."""

@@ -11,6 +11,7 @@ import torch
 from helpers.models import Layer, MixedStack, TableStack, TiedLM, TupleKw
 from helpers.tracking import HANDLES, compile_tracked, compiles, newest
 
+import magi_core
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
 from magi_core.compile.runtime import default_planner
 from magi_core.errors import ConfigError
@@ -561,6 +562,51 @@ def test_a_graph_left_warming_up_holds_nothing_while_another_plans(limit):
             close(f(xb), model(xb))
             assert _on_device([a, b]) == weights
     assert a.phase == "planned" and a.resident_hosts == b.resident_hosts
+
+
+def test_a_graph_in_its_warm_up_call_keeps_its_copy_buffer_and_the_others_plan_around_it():
+    """A graph in a warm-up call when another graph plans (another thread's call: its warm-up lock is held) keeps its
+    copy buffer; the graph planning leaves room for that buffer within the model's budget."""
+    model = TableStack(n=4).eval()
+    weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    xa, xb = (torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (3, 5))
+    f = compile_tracked(model, dynamic=False, options={"unit_compiler": "eager", "warmup_calls": 2, "transfer": "unit",
+                                                       "device_memory_budget_bytes": weights})
+    with torch.no_grad():
+        close(f(xa), model(xa))
+        (a,) = HANDLES[-1].runtimes
+        with a._warmup_lock:  # as while another thread runs its call
+            for _ in range(4):
+                close(f(xb), model(xb))
+        a, b = HANDLES[-1].runtimes
+        assert a.phase == "warmup" and a.executor.transfer.buffer_bytes > 0 and b.phase == "planned"
+        assert _on_device([a, b]) <= weights, "the planned graph left room for the running graph's buffer"
+        for _ in range(3):
+            close(f(xa), model(xa))
+            close(f(xb), model(xb))
+            assert _on_device([a, b]) <= weights
+    assert a.phase == "planned"
+
+
+def test_resident_copies_one_shape_made_and_another_refreshed_are_freed_in_stream_order():
+    """A second input shape's first call takes over the first one's resident copies and refreshes them on its own
+    copy stream; released, the last owner frees them after that stream's copies too (on magidev the stream checker
+    fails the test otherwise)."""
+    model = TableStack(n=3).eval()
+    xs = [torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (3, 5)]
+    with torch.no_grad():
+        refs = [model(x) for x in xs]
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=1.0, unit_compiler="eager",
+                                                     warmup_calls=1), dynamic=False)
+    try:
+        with torch.no_grad():
+            for x, ref in [(xs[0], refs[0])] * 3 + [(xs[1], refs[1])]:
+                close(model(x), ref)
+        a, b = magi_core.handle(model).runtimes
+        assert b.resident_hosts == a.resident_hosts and b.executor.resident is not None
+    finally:
+        magi_core.release(model, restore=True)
+        gc.collect()
 
 
 def test_a_second_shape_whose_weights_are_all_resident_already_fits_any_budget():

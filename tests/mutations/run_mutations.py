@@ -335,12 +335,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("core", ("tests/passes/test_split.py",)),),
     ),
     Mutation(
-        "ae", "budget: a graph still warming up is left out of the copy buffer the model's graphs share, so a graph "
+        "ae", "budget: a graph in a warm-up call is left out of the copy buffer the model's graphs share, so a graph "
         "planned meanwhile keeps resident what the budget leaves no room for next to that buffer",
         "magi_core/compile/runtime.py",
         "        same = [r for r in on_device if shared_buf is not None",
         "        same = [r for r in on_device if r._planned and shared_buf is not None",
-        (("privateuse1", ("tests/compile/test_device_fit.py",)),),
+        (("core", ("tests/execute/test_executor.py::"
+                   "test_a_graph_in_its_warm_up_call_keeps_its_copy_buffer_and_the_others_plan_around_it",)),
+         ("privateuse1", ("tests/compile/test_device_fit.py",))),
     ),
     Mutation(
         "af", "shared copy buffer: kept once no plan needs one, next to the resident weights of plans that stream "
@@ -393,6 +395,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "",
         (("core",
           ("tests/execute/test_executor.py::test_a_graph_left_warming_up_holds_nothing_while_another_plans",)),),
+    ),
+    Mutation(
+        "al", "transfer: a refresh's copy into a resident copy another executor owns is not recorded on the copy "
+        "stream (the owner frees it after its own compute stream only)",
+        "magi_core/execute/transfer/base.py",
+        "            self._record_stream(dev, self.copy_stream)\n",
+        "",
+        (("privateuse1", ("tests/execute/test_executor.py::"
+                          "test_resident_copies_one_shape_made_and_another_refreshed_are_freed_in_stream_order",)),),
     ),
 )
 

@@ -163,9 +163,10 @@ class PerTensorTransfer:
         return dev
 
     def refresh(self, dev: torch.Tensor, host: torch.Tensor, compute_stream: Any) -> None:
-        """Copy ``host`` into ``dev`` on the copy stream, between the compute stream's queued and next work
-        (nothing when ``dev`` is ``host``'s own storage, as on the host backend: a copy onto itself would only bump
-        its version counter, which other runtimes' freshness checks read as an edit)."""
+        """Copy ``host`` into ``dev`` on the copy stream, between the compute stream's queued and next work, ``dev``'s
+        memory held until the copy is done (nothing when ``dev`` is ``host``'s own storage, as on the host backend:
+        a copy onto itself would only bump its version counter, which other runtimes' freshness checks read as an
+        edit)."""
         if dev.device == host.device and dev.data_ptr() == host.data_ptr():
             return
         gate = self._event()
@@ -179,6 +180,9 @@ class PerTensorTransfer:
         compute_stream.wait_event(done)
         if self._needs_release:
             self._sources.keep(done, source)
+            # the copy stream wrote ``dev``, which another executor may own and free: its allocator must wait for
+            # this stream too, not only for the stream that frees it
+            self._record_stream(dev, self.copy_stream)
         self.copies += 1
         self.copy_calls += 1
         self.bytes_copied += host.nbytes
