@@ -1,4 +1,4 @@
-"""Shared fixtures and helpers of the host-memory tests (imported by tests/test_host_*.py)."""
+"""Shared fixtures and helpers of the host-memory tests (imported by tests/host/test_host_*.py)."""
 
 from __future__ import annotations
 
