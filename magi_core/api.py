@@ -4,6 +4,7 @@ checkpoint), reach its :func:`handle`, :func:`release` it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import types
@@ -123,7 +124,7 @@ def _offload(model: M, config: OffloadConfig | None, host_options: HostOptions |
         # compiles on its first such call, into the same handle
         backend = get_backend()
         h.submodules = submodules.install(
-            model, lambda module, path: _compile_resolved(module, cfg, f"{h.name}.{path}", h, compile_kwargs),
+            model, h, functools.partial(_compile_submodule, cfg=cfg, compile_kwargs=compile_kwargs),
             _device_predicate(backend.device_type, backend.is_accelerator))
         model._compiled_call_impl = h.forward
         model.__dict__.update(h.methods)
@@ -172,6 +173,12 @@ def _compile_resolved(fn: Callable[..., Any], cfg: OffloadConfig, name: str | No
     backend = get_backend()
     return OffloadedForward(compiled, _device_predicate(backend.device_type, backend.is_accelerator),
                             model_name=label, handle=h)
+
+
+def _compile_submodule(h: OffloadHandle, module: nn.Module, path: str, cfg: OffloadConfig,
+                       compile_kwargs: dict[str, Any]) -> OffloadedForward:
+    """A submodule of ``h``'s model compiled into ``h`` (what its direct call with device inputs runs)."""
+    return _compile_resolved(module, cfg, f"{h.name}.{path}", h, compile_kwargs)
 
 
 def _resolve(config: Any, entry: str) -> OffloadConfig:

@@ -102,8 +102,9 @@ class OffloadHandle:
         self.methods: dict[str, OffloadedForward] = {}
         """The other methods ``offload(..., methods=...)`` installed, by name."""
         self.submodules: dict[str, SubmoduleEntry] = {}
-        """What a direct call of each submodule holding weights runs (its offloaded forward, compiled on the first
-        direct call), by qualified name."""
+        """What a direct call of each submodule holding weights runs, by qualified name."""
+        self.submodule_forwards: dict[str, Callable[..., Any]] = {}
+        """The submodules' offloaded forwards compiled so far (on a direct call with device inputs), by name."""
         self.released = False
         self._lock = threading.Lock()
         self._plan_lock = threading.Lock()

@@ -9,45 +9,59 @@ arguments compiles the submodule through the model's offload backend (once) and 
 runtimes of the model's handle, sharing its resident weights, copy buffer and device budget. A call with host
 tensors only runs eagerly on the host, as before offloading (on the host backend the host is the device). Inside
 the model's own graph (Dynamo tracing) the entry is not taken: the submodule is traced inline.
+
+An entry holds its handle weakly and the compiled forward lives in the handle: the host weights keep the submodules
+alive until the model is collected, and a submodule must not keep the model alive in turn.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-#: Compiles one submodule through the model's offload backend, given the submodule and its qualified name.
-Compile = Callable[[nn.Module, str], Callable[..., Any]]
+if TYPE_CHECKING:
+    from magi_core.compile.handle import OffloadHandle
+
+#: Compiles one submodule (given by its qualified name) through the offload backend of a handle.
+Compile = Callable[["OffloadHandle", nn.Module, str], Callable[..., Any]]
 
 
 class SubmoduleEntry:
-    """What a direct call of one submodule runs: its offloaded forward, compiled on the first direct call."""
+    """What a direct call of one submodule runs: its offloaded forward for device inputs (compiled on the first such
+    call, kept in the handle), its own code otherwise."""
 
-    def __init__(self, module: nn.Module, path: str, compile_fn: Compile,
+    def __init__(self, module: nn.Module, path: str, handle: OffloadHandle, compile_fn: Compile,
                  is_device: Callable[[torch.Tensor], bool]) -> None:
         self.module = module
         self.path = path
+        self._handle = weakref.ref(handle)
         self._compile = compile_fn
         self._is_device = is_device
         self._lock = threading.Lock()
-        #: The submodule's offloaded forward (None until its first direct call).
-        self.forward: Callable[..., Any] | None = None
+
+    @property
+    def forward(self) -> Callable[..., Any] | None:
+        """The submodule's offloaded forward (None until its first direct call with device inputs)."""
+        h = self._handle()
+        return None if h is None else h.submodule_forwards.get(self.path)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or not self._on_device(args, kwargs):
+        h = self._handle()
+        if h is None or torch.compiler.is_compiling() or not self._on_device(args, kwargs):
             # traced as part of an enclosing graph, or host inputs computing with the host weights: its own code
             return self.module._call_impl(*args, **kwargs)
-        forward = self.forward
+        forward = h.submodule_forwards.get(self.path)
         if forward is None:
             with self._lock:
-                if self.forward is None:
-                    self.forward = self._compile(self.module, self.path)
-                forward = self.forward
+                forward = h.submodule_forwards.get(self.path)
+                if forward is None:
+                    forward = h.submodule_forwards[self.path] = self._compile(h, self.module, self.path)
         return forward(*args, **kwargs)
 
     def _on_device(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -60,7 +74,7 @@ def holds_weights(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def install(model: nn.Module, compile_fn: Compile,
+def install(model: nn.Module, handle: OffloadHandle, compile_fn: Compile,
             is_device: Callable[[torch.Tensor], bool]) -> dict[str, SubmoduleEntry]:
     """Give each submodule of ``model`` that holds weights (the model itself aside) a :class:`SubmoduleEntry`
     (``is_device``: which tensors are on the device); returns them by qualified name. A submodule reached under
@@ -69,7 +83,7 @@ def install(model: nn.Module, compile_fn: Compile,
     for path, module in model.named_modules(remove_duplicate=True):
         if module is model or not path or not holds_weights(module):
             continue
-        entry = SubmoduleEntry(module, path, compile_fn, is_device)
+        entry = SubmoduleEntry(module, path, handle, compile_fn, is_device)
         module._compiled_call_impl = entry
         entries[path] = entry
     return entries

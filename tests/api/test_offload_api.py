@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -305,6 +307,21 @@ def test_a_submodule_called_on_its_own_runs_offloaded(shm_dir, accelerator):
     assert all("_compiled_call_impl" not in mod.__dict__ or mod._compiled_call_impl is None for mod in m.modules())
     with torch.no_grad():
         torch.testing.assert_close(m.enc(x), ref.enc(x))  # eager again, weights kept
+
+
+def test_an_offloaded_model_nobody_holds_is_collected(shm_dir):
+    """The submodules' entries hold the handle weakly: the host weights keep the submodules alive until the model
+    goes, so an entry holding the model would keep it, its registered ranges and its files forever."""
+    before = registered_ranges()
+    m = offload(_Codec().eval(), OffloadConfig())
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        m(x)
+        m.enc(x.to(get_backend().device()))  # a direct call: compiled into the handle on an accelerator
+    gone = weakref.ref(m)
+    del m
+    gc.collect()
+    assert gone() is None and registered_ranges() == before
 
 
 @pytest.mark.parametrize("methods", [("nope",), ("forward",), ("_private",), ("decode", 3)])

@@ -405,6 +405,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("privateuse1", ("tests/execute/test_executor.py::"
                           "test_resident_copies_one_shape_made_and_another_refreshed_are_freed_in_stream_order",)),),
     ),
+    Mutation(
+        "am", "submodule entries: an entry holds its handle strongly (the host weights keep the submodules alive, so "
+        "the model, its registered ranges and files are never collected)",
+        "magi_core/compile/submodules.py",
+        "        self._handle = weakref.ref(handle)\n",
+        "        self._strong = handle\n        self._handle = weakref.ref(handle)\n",
+        (("core", ("tests/api/test_offload_api.py::test_an_offloaded_model_nobody_holds_is_collected",)),),
+    ),
 )
 
 
