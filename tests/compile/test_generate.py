@@ -56,8 +56,12 @@ def _config(kind: str) -> Any:
 
 def _models(kind: str) -> tuple[Any, Any]:
     """(the model to offload, its eager twin on the backend's device), the same random weights."""
-    cfg = _config(kind)
     cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.MixtralForCausalLM
+    return _twins(cls, _config(kind))
+
+
+def _twins(cls: Any, cfg: Any) -> tuple[Any, Any]:
+    """A model of ``cls`` on the host and its eager twin built on the backend's device, the same random weights."""
     torch.manual_seed(0)
     model = cls(cfg).eval()
     with torch.device(get_backend().device()):
@@ -184,12 +188,7 @@ def _seq2seq(kind: str) -> tuple[Any, Any]:
                                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
                                       decoder_ffn_dim=128, max_position_embeddings=64, eos_token_id=None,
                                       forced_eos_token_id=None)
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.device(get_backend().device()):
-        ref = cls(cfg).eval()
-    ref.load_state_dict(model.state_dict())
-    return model, ref
+    return _twins(cls, cfg)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
