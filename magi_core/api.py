@@ -100,6 +100,7 @@ def _offload(model: M, config: OffloadConfig | None, host_options: HostOptions |
             _check_source(weights["source"])
         _check_compile_kwargs(compile_kwargs, entry)
         cfg = _resolve(config, entry)
+        _check_budget_share(cfg)
     except (MagiError, TypeError) as exc:
         setup = exc
     _agree(setup, entry)
@@ -173,6 +174,15 @@ def _compile_resolved(fn: Callable[..., Any], cfg: OffloadConfig, name: str | No
     backend = get_backend()
     return OffloadedForward(compiled, _device_predicate(backend.device_type, backend.is_accelerator),
                             model_name=label, handle=h)
+
+
+def _check_budget_share(cfg: OffloadConfig) -> None:
+    """A budget given as a share of the device's memory needs a device that says how much it has: refused before
+    any host work, not at the first planning call."""
+    if isinstance(cfg.device_memory_budget_bytes, str):
+        backend = get_backend()
+        info = backend.device_memory(backend.device())
+        cfg.budget_bytes(None if info is None else int(info.total))
 
 
 def _compile_submodule(h: OffloadHandle, module: nn.Module, path: str, cfg: OffloadConfig,

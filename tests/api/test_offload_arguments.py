@@ -21,6 +21,7 @@ from magi_core.errors import ConfigError, MagiError
 from magi_core.plan import register_policy, unregister_policy
 from magi_core.plan.contract import Plan, UnitProfile
 from magi_core.plan.registry import get_scheduler
+from magi_core.plugin.manager import get_backend
 
 CFG = OffloadConfig(unit_compiler="eager", warmup_calls=2)
 
@@ -226,3 +227,18 @@ def test_every_floating_output_carries_the_error(shm_dir: Path) -> None:
                 t.sum().backward()
     finally:
         magi_core.release(model)
+
+
+def test_a_budget_share_without_a_device_size_is_refused_before_any_host_work(shm_dir: Path) -> None:
+    """``device_memory_budget_bytes="40%"`` on a backend that cannot say how much memory its device has (the host
+    backend) is a ConfigError from ``offload`` naming bytes instead, not one at the first planning call."""
+    backend = get_backend()
+    if backend.device_memory(backend.device()) is not None:
+        pytest.skip(f"backend {backend.name!r} reports its device's memory: a share of it is a budget")
+    model = Stack().eval()
+    before = registered_ranges()
+    with pytest.raises(ConfigError, match=r"'40%' is a share of the device's memory.*give bytes"):
+        magi_core.offload(model, OffloadConfig(device_memory_budget_bytes="40%"))
+    assert registered_ranges() == before and list(shm_dir.iterdir()) == []
+    assert "_magi_offload_handle" not in model.__dict__
+
