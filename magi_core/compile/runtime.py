@@ -105,8 +105,6 @@ class OffloadRuntime:
         self._planned = False
         #: Warm-up calls (look-ahead, profile, planning) run one at a time; planned calls never take it.
         self._warmup_lock = threading.Lock()
-        #: Set while the runtime, still warming up, holds nothing on the device (:meth:`_idle_peers`).
-        self._idle = False
         #: The other runtimes of the same model (set by its handle), which share its device budget.
         self.peers: Callable[[], Sequence[OffloadRuntime]] | None = None
         #: Held while planning, so runtimes of one model plan one at a time (set by the handle).
@@ -152,7 +150,7 @@ class OffloadRuntime:
         """A graph compiled after others of the model planned warms up reading the weights they keep resident,
         streaming only the rest: its copy buffer then fits next to their resident weights, within their budget.
         An idle graph (:meth:`_idle_peers`) installs its warm-up plan again, the same way."""
-        idle, self._idle = self._idle, False
+        idle = self.phase == "idle"
         if idle:
             self.phase = "warmup"
         if any(r._planned for r in self._peers_on_device()):
@@ -179,11 +177,10 @@ class OffloadRuntime:
         once) does not keep its warm-up copy buffer next to the plans of the graphs that do run. Its next call
         installs its warm-up plan again. Callers hold the plan lock."""
         for r in self._peers_on_device():
-            if r._planned or r._idle or not r._warmup_lock.acquire(blocking=False):
+            if r._planned or r.phase == "idle" or not r._warmup_lock.acquire(blocking=False):
                 continue  # planned, idle already, or in a call now
             try:
                 if not r._planned and r.executor.plan is not None and r.executor.suspend():
-                    r._idle = True
                     r.phase = "idle"
                     logger.info("magi offload: a graph of the model still warming up holds nothing on the device "
                                 "until its next call (another graph is planning)")
@@ -222,7 +219,7 @@ class OffloadRuntime:
     def _warmup_call(self, args: Sequence[Any]) -> Any:
         self.calls += 1
         w = self.config.warmup_calls
-        if (self.calls == 1 and w > 0) or (self._idle and self.calls <= w):
+        if (self.calls == 1 and w > 0) or (self.phase == "idle" and self.calls <= w):
             self._warm_up_next_to_peers(args)
         if self.calls > w:
             self._install_static_plan(args)
@@ -260,7 +257,6 @@ class OffloadRuntime:
                 logger.info("magi offload: planning a graph again: another graph of the model keeps weights "
                             "resident that it streams")
             self._replan = False
-            self._idle = False
             self._idle_peers()
             before = {k for r in self._peers_on_device() if r._planned for k in r.resident_hosts}
             buffer_before = _buffer_bytes(self)

@@ -247,15 +247,19 @@ class OffloadExecutor:
         if release is None or getattr(self.transfer, "collective", False):
             return False
         with self._lock:  # not during a step of the model's runtimes
-            if self.resident is not None:
-                self.resident.close(self.transfer, self._current_stream())
-            self.resident = None
-            self._carry = {}
+            self._drop_held()
             release()
+            self.resident = None
             self.plan = None
             self.actions = None
-            self.watch = WeightWatch(())
         return True
+
+    def _drop_held(self) -> None:
+        """Hand the resident copies back (stream-ordered) and forget the carried ones and what the watch knew."""
+        if self.resident is not None:
+            self.resident.close(self.transfer, self._current_stream())
+        self._carry = {}
+        self.watch = WeightWatch(())
 
     def close(self) -> None:
         """Release resident weights and carried prefetches, after the step running now (if any); later steps are
@@ -265,11 +269,8 @@ class OffloadExecutor:
 
     def _close(self) -> None:
         self.closed = True
-        if self.resident is not None:
-            self.resident.close(self.transfer, self._current_stream())
-        self._carry = {}
+        self._drop_held()
         self.transfer.close()
-        self.watch = WeightWatch(())
 
     def __del__(self) -> None:
         try:

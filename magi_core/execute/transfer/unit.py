@@ -231,9 +231,7 @@ class UnitTransfer(PerTensorTransfer):
 
     def close(self) -> None:
         """Forget the plan's buffer (after the compute stream's queued work, which may still read it)."""
-        self._drop_buffer()
-        self._slots = []
-        self.buffer_bytes = 0
+        self.release_buffer()
         if self.shared is not None:
             self.shared.leave(self)
             self.shared = None
