@@ -115,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "offloaded to the host (default 0.5)")
     generate.add_argument("--accelerate-max-time", type=float, default=None, metavar="S",
                           help="seconds accelerate's timed generate may take (max_time; default 60)")
+    generate.add_argument("--cudnn-attention", action="store_true",
+                          help="let attention use cuDNN where torch picks it (default: every other kernel of "
+                               "scaled_dot_product_attention; cuDNN builds a plan per new KV length, i.e. per token)")
     generate.add_argument("--in-process", action="store_true",
                           help="run every system in this process instead of one process per system")
 

@@ -30,7 +30,7 @@ from magi_core.compile.device_room import DeviceRoom, PeakMeter, check_unit_fits
 from magi_core.config import OffloadConfig, Policy
 from magi_core.errors import ConfigError, DeviceMemoryError
 from magi_core.execute.actions import unit_profiles, weight_owners
-from magi_core.execute.executor import OffloadExecutor
+from magi_core.execute.executor import ExecutorSuspended, OffloadExecutor
 from magi_core.execute.profiler import UnitTimer, broadcast_profiles, measure_h2d_bandwidth
 from magi_core.plan import build_plan
 from magi_core.plan.contract import Plan, UnitProfile
@@ -49,6 +49,8 @@ _FIT_RESOLUTION = 1 / 64
 _SAME_STEP = 0.005
 #: How many times one graph plans again because another graph of the model made weights resident.
 _MAX_REPLANS = 2
+#: How many times one graph takes the device memory of the model's other graphs back (:meth:`_evict_peers`).
+_MAX_EVICTIONS = 2
 
 #: The smallest default bandwidth probe (and its granularity) on a card with little free memory.
 _MIN_PROBE_BYTES = 16 << 20
@@ -120,6 +122,11 @@ class OffloadRuntime:
         #: Set when another graph of the model made resident weights this one streams: plan again next call.
         self._replan = False
         self._replans = 0
+        #: Times this graph took the device memory of the model's other graphs back to plan.
+        self._evictions = 0
+        #: Set while this graph holds nothing since another graph took its device memory back: the copy buffer its
+        #: plan will need at least (streaming everything, look-ahead copies), kept free for it by the others.
+        self._evicted_floor = 0
         #: Device bytes a warm-up call allocated beyond its weights (activations, workspaces): the last one's.
         self.activation_bytes = 0
         #: What the installed static plan holds on the device: resident weights, copy buffer, activations.
@@ -195,10 +202,13 @@ class OffloadRuntime:
     def __call__(self, *args: Any) -> Any:
         """Run one step (the static-plan fast path after warm-up)."""
         if self._planned and not self._measure_steps and not self._replan:
-            return self.executor.run(args, None)
+            try:
+                return self.executor.run(args, None)
+            except ExecutorSuspended:
+                pass  # another graph took this one's device memory back: it plans again below
         with self._warmup_lock:
             if self._planned:  # planned while this call waited
-                if self._replan:
+                if self._replan or self.executor.plan is None:
                     self._install_plan(args)
                 return self._planned_call(args)
             return self._warmup_call(args)
@@ -257,6 +267,7 @@ class OffloadRuntime:
                 logger.info("magi offload: planning a graph again: another graph of the model keeps weights "
                             "resident that it streams")
             self._replan = False
+            self._evicted_floor = 0
             self._idle_peers()
             before = {k for r in self._peers_on_device() if r._planned for k in r.resident_hosts}
             buffer_before = _buffer_bytes(self)
@@ -349,7 +360,48 @@ class OffloadRuntime:
         check_unit_fits(room, need, largest.label or largest.attr, largest.nbytes, self.executor.device)
 
     def _plan_for_device(self, args: Sequence[Any]) -> Plan:
-        """The static plan for what the config asks and the device can spare.
+        """The static plan for what the config asks and the device can spare (:meth:`_plan_next_to_peers`); where
+        that does not fit next to what the model's other graphs hold, they give it back (:meth:`_evict_peers`) and
+        this graph plans with the model's whole budget, less what they need at least to stream."""
+        try:
+            return self._plan_next_to_peers(args)
+        except (ConfigError, DeviceMemoryError) as e:
+            if self._evictions >= _MAX_EVICTIONS or not self._evict_peers():
+                raise
+            logger.info("magi offload: a graph does not fit next to what the model's other graphs hold on %s (%s); "
+                        "they hold nothing until their next call, which plans them again next to this one",
+                        self.executor.device, e)
+            return self._plan_next_to_peers(args)
+
+    def _evict_peers(self) -> bool:
+        """Take the device memory of the model's other planned graphs back: each drops its resident copies and copy
+        buffer (after the work queued on them) and plans again at its next call, next to this graph's plan, which
+        keeps the room it needs to stream everything (:meth:`_stream_floor`). A prefill that filled the budget
+        first no longer starves the decoding step. False where no graph gave anything back. Callers hold the plan
+        lock."""
+        evicted = False
+        for r in self._peers_on_device():
+            if not r._planned or r.executor.plan is None:
+                continue
+            floor = r._stream_floor()
+            if not r.executor.suspend():  # a transfer that must keep step with other ranks keeps its plan
+                continue
+            r._replan = True
+            r._evicted_floor = floor
+            r.resident_hosts = {}
+            r.predicted_peak_bytes = None
+            evicted = True
+        self._evictions += evicted
+        return evicted
+
+    def _stream_floor(self) -> int:
+        """Device bytes this graph needs at least to run: its look-ahead plan with nothing resident."""
+        plan = self.warmup_plan()
+        _, buffer = self.executor.footprint(plan)
+        return buffer or self._plan_peak(plan)
+
+    def _plan_next_to_peers(self, args: Sequence[Any]) -> Plan:
+        """The static plan for what the config asks and the device can spare, next to the model's other graphs.
 
         No ratio and no budget: the fastest plan within the device's room, then the least memory that keeps its
         step (:meth:`_least_memory`). A share (``"80%"``) becomes bytes of the device's total. A ratio whose plan
@@ -512,7 +564,16 @@ class OffloadRuntime:
                 plan = self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=budget), shared)
             except ConfigError as e:
                 if budget >= limit or failed is None:
-                    raise too_small(e) from e
+                    # the planner's peak counts copies for the next step a fixed buffer may hold in place: what
+                    # streaming everything really holds decides
+                    try:
+                        plan = stream_all()
+                    except ConfigError:
+                        raise too_small(e) from e
+                    if holds(plan) > limit:
+                        raise too_small(e) from e
+                    fits.append(plan)
+                    break
                 too_small_error, ok = e, budget  # a shrink went below what streaming needs: bisect back up
             else:
                 used = holds(plan)
@@ -532,9 +593,12 @@ class OffloadRuntime:
                 break
             logger.info("magi offload: planned for %d bytes, the plan holds %d with its copy buffer (budget %d); "
                         "planning for %d", tried, used, limit, budget)
-        if not fits and too_small_error is not None and failed is not None:
+        if not fits:
             # the rounds ran out between too small to plan and too large to fit: stream all but what the peers hold
-            plan = stream_all()
+            try:
+                plan = stream_all()
+            except ConfigError as e:
+                raise too_small(too_small_error or e) from e
             if holds(plan) <= limit:
                 fits.append(plan)
         if not fits:
@@ -574,8 +638,11 @@ class OffloadRuntime:
         shared_buf = getattr(self.executor.transfer, "shared", None)
         same = [r for r in on_device if shared_buf is not None and getattr(r.executor.transfer, "shared", None)
                 is shared_buf]
-        self._peer_buffer = max((_buffer_bytes(r) for r in same), default=0)
-        buffers = sum(_buffer_bytes(r) for r in on_device if r not in same)  # the shared one is this plan's too
+        # copies allocated per fetch live only during their graph's step, and steps of one model never overlap:
+        # like a shared buffer, the largest need counts, not the sum
+        transient = [r for r in on_device if r not in same and r.executor.transfer.allocates]
+        self._peer_buffer = max((_needs_bytes(r) for r in (*same, *transient)), default=0)
+        buffers = sum(_needs_bytes(r) for r in on_device if r not in same and r not in transient)
         if not peers and not buffers:
             return profiles, config, frozenset(), {}
         held: dict[tuple[int, int], int] = {}
@@ -630,3 +697,13 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
 def _buffer_bytes(runtime: OffloadRuntime) -> int:
     """Bytes of the copy buffer a runtime's installed plan needs (0 for a transfer that allocates per copy)."""
     return int(getattr(runtime.executor.transfer, "buffer_bytes", 0))
+
+
+def _needs_bytes(runtime: OffloadRuntime) -> int:
+    """Device bytes a runtime's copies need: its copy buffer, or the weights in flight of a transfer that allocates
+    per copy; or what it needs at least once it plans again, where it gave its memory back to another graph."""
+    if runtime.executor.transfer.allocates:
+        held = OffloadRuntime._plan_peak(runtime.executor.plan, streamed_only=True)
+    else:
+        held = _buffer_bytes(runtime)
+    return max(held, runtime._evicted_floor)

@@ -76,6 +76,11 @@ def make_transfer(name: str | None, backend: Backend, device: torch.device) -> W
     return TRANSFER_KINDS[name](backend, device)
 
 
+class ExecutorSuspended(MagiError):
+    """A step reached an executor that gave its device memory up (:meth:`OffloadExecutor.suspend`): its runtime
+    installs a plan again and runs the step then."""
+
+
 class UnitTimerLike:
     """What the executor needs of a unit timer: ``start(i)`` / ``stop(i)`` around each unit's launch."""
 
@@ -172,6 +177,7 @@ class OffloadExecutor:
         self._lock = threading.Lock()
         #: Set by :meth:`close`: steps are refused from then on.
         self.closed = False
+        self._suspended = False  # holds nothing until the next plan (suspend)
 
     def _installer(self, index: int) -> Callable[[UnitFn, bool], None]:
         def install(fn: UnitFn, direct: bool) -> None:
@@ -210,6 +216,7 @@ class OffloadExecutor:
 
     def _set_plan(self, plan: Plan) -> StepActions:
         actions = build_actions(self.units, plan, self.transfer.nbytes)
+        self._suspended = False
         self.transfer.set_actions(actions, self._batch_sizes(actions))
         old = self.resident
         self.resident = ResidentSet(self._store, self.device, actions.resident)
@@ -252,6 +259,7 @@ class OffloadExecutor:
             self.resident = None
             self.plan = None
             self.actions = None
+            self._suspended = True
         return True
 
     def _drop_held(self) -> None:
@@ -285,13 +293,15 @@ class OffloadExecutor:
 
     def run(self, args: Sequence[Any], timer: UnitTimerLike | None) -> Any:
         """Run one step; ``timer`` (profiling calls only) brackets every unit on the compute stream."""
-        actions = self.actions
-        resident = self.resident
-        if actions is None or resident is None:
-            raise RuntimeError("OffloadExecutor.run called before set_plan(); install a plan first")
         with self._lock, torch.no_grad():
             if self.closed:
                 raise MagiError(RELEASED)
+            actions = self.actions
+            resident = self.resident
+            if actions is None or resident is None:
+                if self._suspended:
+                    raise ExecutorSuspended("this executor holds nothing on the device (suspend); set a plan first")
+                raise RuntimeError("OffloadExecutor.run called before set_plan(); install a plan first")
             env = self._template.copy()
             self.inputs.fill(args, env)
             compute = self._current_stream()

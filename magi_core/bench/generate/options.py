@@ -38,7 +38,8 @@ BENCH_ONLY = {"tokens": "--tokens (give --prompt-tokens)", "report": "--report",
 #: Flags only a generate run reads: naming one without ``--generate`` is an error.
 GENERATE_ONLY = {"prompt_tokens": "--prompt-tokens", "new_tokens": "--new-tokens", "batch": "--batch",
                  "cache": "--cache", "accelerate_budget": "--accelerate-budget",
-                 "accelerate_max_time": "--accelerate-max-time", "in_process": "--in-process"}
+                 "accelerate_max_time": "--accelerate-max-time", "in_process": "--in-process",
+                 "cudnn_attention": "--cudnn-attention"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class GenerateOptions:
     """Seconds accelerate's timed ``generate`` may take (``max_time``): its decode streams from pageable memory."""
     time_budget_s: float | None = None
     """Seconds after which systems not yet started are recorded as skipped (None or 0: no limit)."""
+    cudnn_attention: bool = False
+    """Let ``scaled_dot_product_attention`` use cuDNN where torch would. Off by default, for every system alike:
+    cuDNN attention builds an execution plan per new key length, so a growing cache pays one per token (tens of
+    milliseconds of host time on the H200)."""
     in_process: bool = False
     """Run every system in this process (tests, debugging) instead of one process per system."""
     out: Path | None = None
@@ -187,6 +192,7 @@ def options_from_args(args: argparse.Namespace) -> GenerateOptions:
         accelerate_budget=args.accelerate_budget if args.accelerate_budget is not None else 0.5,
         accelerate_max_time=args.accelerate_max_time if args.accelerate_max_time is not None else 60.0,
         time_budget_s=args.time_budget, in_process=bool(args.in_process), out=args.out,
+        cudnn_attention=bool(getattr(args, "cudnn_attention", False)),
     )
 
 
@@ -205,6 +211,8 @@ def _common_arguments(options: GenerateOptions) -> list[str]:
         argv += ["--probe-mb", str(max(1, options.probe_bytes >> 20))]
     if options.compile_on_cpu:
         argv.append("--compile-on-cpu")
+    if options.cudnn_attention:
+        argv.append("--cudnn-attention")
     return argv
 
 

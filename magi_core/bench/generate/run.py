@@ -8,9 +8,11 @@ the graphs compiled, the host time inside each decode forward, and the new token
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -104,9 +106,27 @@ class MagiWatch:
         return out
 
 
+@contextlib.contextmanager
+def attention_kernels(options: GenerateOptions) -> Iterator[None]:
+    """Inside: ``scaled_dot_product_attention`` without cuDNN unless ``options.cudnn_attention`` (see there)."""
+    if options.cudnn_attention:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
+
+
 def run_system(backend: Backend, w: Workload, spec: SystemSpec, options: GenerateOptions, vocab: int,
                prompt_tokens: int) -> dict[str, Any]:
     """Prepare ``spec``, warm it up and time one ``generate``; the row (failures recorded, never raised)."""
+    with attention_kernels(options):
+        return _run_system(backend, w, spec, options, vocab, prompt_tokens)
+
+
+def _run_system(backend: Backend, w: Workload, spec: SystemSpec, options: GenerateOptions, vocab: int,
+                prompt_tokens: int) -> dict[str, Any]:
     row = record_base(w.name, spec, w.weight_bytes, options, prompt_tokens)
     p: GenerateModel | None = None
     dm = backend.device_module

@@ -137,6 +137,9 @@ class PerTensorTransfer:
     def close(self) -> None:
         """Nothing kept per plan."""
 
+    def release_buffer(self) -> None:
+        """No buffer to give up: its copies are allocated per fetch (the executor drops the carried ones)."""
+
     def fetch(
         self, hosts: Sequence[torch.Tensor], event: Any = None, batch: int | None = None
     ) -> tuple[list[torch.Tensor], Any]:
