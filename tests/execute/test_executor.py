@@ -683,6 +683,22 @@ def test_a_graph_that_does_not_fit_next_to_the_first_takes_its_memory_back():
         assert (ra.plan, rb.plan) == plans
 
 
+def test_a_call_that_finds_its_graph_suspended_plans_it_again_and_runs():
+    """A planned call that passed the fast path just before another graph took this graph's memory back (the other
+    thread's eviction lands between the check and the step) plans again and runs right, never on a dropped plan."""
+    model = Layer(64).eval()
+    f = compile_tracked(model, options={"unit_compiler": "eager", "warmup_calls": 2})
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            close(f(x), model(x))
+        rt = newest()
+        assert rt._planned and not rt._replan
+        assert rt.executor.suspend() and rt.executor.plan is None  # as _evict_peers does, without the replan flag
+        close(f(x), model(x))
+        assert rt.executor.plan is not None and rt.phase == "planned"
+
+
 def test_graphs_of_one_model_past_its_budget_say_what_to_do():
     """A second graph whose weights do not fit the budget even with the first graph's memory given back."""
     a = Layer(64).eval()

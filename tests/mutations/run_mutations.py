@@ -413,6 +413,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        self._strong = handle\n        self._handle = weakref.ref(handle)\n",
         (("core", ("tests/api/test_offload_api.py::test_an_offloaded_model_nobody_holds_is_collected",)),),
     ),
+    Mutation(
+        "an", "runtime: a graph that does not fit next to the model's other graphs never takes their memory back (the "
+        "decode graph of generate fails where the prefill filled the budget first)",
+        "magi_core/compile/runtime.py",
+        "            if self._evictions >= _MAX_EVICTIONS or not self._evict_peers():\n",
+        "            if True:\n",
+        (("core", ("tests/execute/test_executor.py::"
+                   "test_a_graph_that_does_not_fit_next_to_the_first_takes_its_memory_back",)),),
+    ),
+    Mutation(
+        "ao", "runtime: a call that finds its planned graph suspended (its memory taken back meanwhile) runs without "
+        "planning again",
+        "magi_core/compile/runtime.py",
+        "                if self._replan or self.executor.plan is None:\n",
+        "                if self._replan:\n",
+        (("core", ("tests/execute/test_executor.py::test_a_call_that_finds_its_graph_suspended_plans_it_again_and_runs",
+                   )),),
+    ),
+    Mutation(
+        "ap", "runtime: a graph that took the others' memory back plans without the room they need to stream (they "
+        "cannot plan again within the budget)",
+        "magi_core/compile/runtime.py",
+        "    return max(held, runtime._evicted_floor)\n",
+        "    return held\n",
+        (("core", ("tests/execute/test_executor.py::"
+                   "test_a_graph_that_does_not_fit_next_to_the_first_takes_its_memory_back",)),),
+    ),
 )
 
 
