@@ -215,3 +215,27 @@ def test_flags_that_do_not_go_together_are_a_clear_error(argv: list[str], says: 
     assert err.startswith("magi bench: ") and says in err
     with pytest.raises(ConfigError):
         GenerateOptions(cache="paged")
+
+
+def test_each_token_waits_for_the_compute_stream_not_the_whole_device() -> None:
+    """The clock waits once per new token for the stream that computed the logits; the whole device (a copy stream
+    prefetching the next step's weights included) is synchronised only before and after the timed ``generate``."""
+    import torch
+    import transformers
+
+    from magi_core.bench.generate.timing import timed_generate
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    calls = {"device": 0, "stream": 0}
+
+    def count(kind: str) -> Any:
+        return lambda: calls.__setitem__(kind, calls[kind] + 1)
+
+    ids = torch.randint(1, 64, (1, 4))
+    t = timed_generate(model, ids, torch.ones_like(ids), NEW, "dynamic", count("device"),
+                       step_synchronize=count("stream"))
+    assert calls == {"device": 2, "stream": NEW}
+    assert len(t.decode_ms) == NEW - 1

@@ -145,7 +145,8 @@ def _run_system(backend: Backend, w: Workload, spec: SystemSpec, options: Genera
         extra = {"max_time": options.accelerate_max_time} if spec.kind == "accelerate" else {}
         measure.reset_peak(backend)
         timing = timed_generate(p.model, ids, mask, options.new_tokens, options.cache, dm.synchronize,
-                                watch.waits_ns if watch is not None else None, **extra)
+                                watch.waits_ns if watch is not None else None,
+                                step_synchronize=lambda: dm.current_stream().synchronize(), **extra)
         peak_alloc, peak_reserved = measure.peak_memory(backend)
         row.update(status="ok", **timing_fields(timing, options.batch), setup_s=p.setup_s, warmup_s=warmup_s,
                    warmup_generates=p.warmups, peak_alloc_bytes=peak_alloc, peak_reserved_bytes=peak_reserved,

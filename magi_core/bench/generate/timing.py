@@ -1,10 +1,13 @@
 """Timing one greedy ``generate``: the prefill, each decode step, and the host time inside each forward call.
 
 transformers calls the logits processors once per new token, right after the forward that produced its logits;
-:class:`StepClock` synchronises the device there and takes the time, so the first stamp ends the prefill and each
-next one ends a decode step (the step's forward, its bookkeeping in ``generate`` and its token choice). ``generate``
-already waits on the device once per step (it checks on the host whether every sequence finished), so the
-synchronisation adds no wait of its own. :class:`ForwardTimer` wraps the model's forward to take the host time of
+:class:`StepClock` waits there for the stream that computed them and takes the time, so the first stamp ends the
+prefill and each next one ends a decode step (the step's forward, its bookkeeping in ``generate`` and its token
+choice). ``generate`` itself waits on that stream once per step (it checks on the host whether every sequence
+finished), so the clock adds no wait of its own. It never waits for the whole device: copies a step issued for the
+next one (magi-core's prefetch on its copy stream) run on while the host prepares that step, as in a user's
+``generate``; a device-wide wait would drain them at every token and leave the copy stream idle while the next
+step's first units are launched. :class:`ForwardTimer` wraps the model's forward to take the host time of
 each call and, on magi-core, the time the executors blocked waiting for their copies (their host-lead limit): what
 is left is the host's own work per step.
 """
@@ -24,7 +27,8 @@ from torch import nn
 
 
 class StepClock:
-    """A logits processor that only takes the time, after synchronising the device, once per new token."""
+    """A logits processor that only takes the time, after ``synchronize`` (the compute stream's), once per new
+    token."""
 
     def __init__(self, synchronize: Callable[[], None]) -> None:
         self._sync = synchronize
@@ -124,9 +128,10 @@ def timed_forward(model: nn.Module, waits: Callable[[], int] | None) -> Iterator
 
 def timed_generate(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, cache: str,
                    synchronize: Callable[[], None], waits: Callable[[], int] | None = None,
-                   **kwargs: Any) -> GenerateTiming:
-    """One greedy ``generate`` with the device synchronised and the time taken after every new token."""
-    clock = StepClock(synchronize)
+                   step_synchronize: Callable[[], None] | None = None, **kwargs: Any) -> GenerateTiming:
+    """One greedy ``generate`` between two device synchronisations, the time taken after every new token once
+    ``step_synchronize`` (the compute stream's wait; default ``synchronize``) returns."""
+    clock = StepClock(step_synchronize or synchronize)
     with timed_forward(model, waits) as timer:
         synchronize()
         t0 = time.perf_counter()
