@@ -532,25 +532,34 @@ class OffloadRuntime:
         def holds(plan: Plan) -> int:
             return self._holds(plan, args, held)
 
-        def stream_all() -> Plan:
-            """The plan that keeps nothing resident but what the peers hold (no budget)."""
-            return self._plan(profiles, bandwidth_Bps, config.replace(device_memory_budget_bytes=None,
-                                                                      gpu_resident_weight_ratio=0.0), shared)
+        def streaming() -> list[Plan]:
+            """Plans keeping nothing resident but what the peers hold: the policy's own (no budget: its copies
+            as far ahead as pays), then the look-ahead plan (the fewest copies in flight)."""
+            plans = []
+            for cfg in (config.replace(device_memory_budget_bytes=None, gpu_resident_weight_ratio=0.0),
+                        config.replace(policy=Policy.BASE, device_memory_budget_bytes=None,
+                                       gpu_resident_weight_ratio=0.0)):
+                with contextlib.suppress(ConfigError):
+                    plans.append(self._plan(profiles, bandwidth_Bps, cfg, shared))
+            return plans
+
+        def stream_fit() -> Plan | None:
+            """The first streaming plan that fits the limit."""
+            return next((p for p in streaming() if holds(p) <= limit), None)
 
         def too_small(cause: ConfigError | None) -> ConfigError:
-            """The error for a limit nothing fits, naming what streaming every weight really holds (its copy
-            buffer included, which the planner's own minimum leaves out)."""
-            try:
-                plan = stream_all()
-            except ConfigError as e:  # not even streaming plans: the planner's own reason
-                return cause or e
+            """The error for a limit nothing fits, naming what streaming every weight really holds at least (its
+            copy buffer included, which the planner's own minimum leaves out)."""
+            plans = streaming()
+            if not plans:  # not even streaming plans: the planner's own reason
+                return cause or ConfigError(f"no plan streams this graph's weights on {self.executor.device}")
             # the planner's peak of weights in flight, or the copy buffer they cycle through where larger
-            need = max(int(plan.notes.get("peak_device_bytes", 0)), holds(plan))
+            need = min(max(int(p.notes.get("peak_device_bytes", 0)), holds(p)) for p in plans)
             return ConfigError(
                 f"OffloadConfig.device_memory_budget_bytes={self.config.device_memory_budget_bytes} is too small "
                 f"for this graph on {self.executor.device} ({limit} bytes left for it): streaming every weight "
-                f"holds {need} bytes on the device, the units' weights in flight and the copy buffer they cycle "
-                f"through; raise it to at least {need} (plus activations), or split units further with "
+                f"holds at least {need} bytes on the device, the units' weights in flight and the copy buffer they "
+                f"cycle through; raise it to at least {need} (plus activations), or split units further with "
                 "max_unit_bytes" + (f". {self._peer_note}" if self._peer_note else "")
             )
 
@@ -566,13 +575,10 @@ class OffloadRuntime:
                 if budget >= limit or failed is None:
                     # the planner's peak counts copies for the next step a fixed buffer may hold in place: what
                     # streaming everything really holds decides
-                    try:
-                        plan = stream_all()
-                    except ConfigError:
+                    streamed = stream_fit()
+                    if streamed is None:
                         raise too_small(e) from e
-                    if holds(plan) > limit:
-                        raise too_small(e) from e
-                    fits.append(plan)
+                    fits.append(streamed)
                     break
                 too_small_error, ok = e, budget  # a shrink went below what streaming needs: bisect back up
             else:
@@ -595,14 +601,11 @@ class OffloadRuntime:
                         "planning for %d", tried, used, limit, budget)
         if not fits:
             # the rounds ran out between too small to plan and too large to fit: stream all but what the peers hold
-            try:
-                plan = stream_all()
-            except ConfigError as e:
-                raise too_small(too_small_error or e) from e
-            if holds(plan) <= limit:
-                fits.append(plan)
+            streamed = stream_fit()
+            if streamed is not None:
+                fits.append(streamed)
         if not fits:
-            raise too_small(None)
+            raise too_small(too_small_error)
         return min(fits, key=lambda p: p.predicted_step_ms)
 
     def _plan(self, profiles: list[UnitProfile], bandwidth_Bps: float, config: OffloadConfig,
