@@ -121,3 +121,47 @@ def test_profiling_ranges_stay_balanced_while_another_thread_compiles(monkeypatc
 def _ranged(backend: Any, x: torch.Tensor) -> torch.Tensor:
     with backend.range("compiled"):
         return x * 2
+
+
+class _ByShape(torch.nn.Module):
+    """Two input shapes, two graphs reading different weights (as a prefill and a decode step use their own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.a(x)) if x.shape[0] == 3 else torch.tanh(self.b(x))
+
+
+def test_threads_with_graphs_that_take_each_others_memory_back(shm_dir: str) -> None:
+    """Threads call two graphs of a model whose budget holds one graph's weights resident, not both graphs'
+    streaming: the graph planned second takes the first one's memory back while other threads run it (their calls
+    plan it again), and every output is right; the graphs end within the budget."""
+    torch._dynamo.reset()
+    model = _ByShape().eval()
+    xs = [torch.randn(3 if s % 2 else 5, 64, generator=torch.Generator().manual_seed(s)) for s in range(THREADS)]
+    with torch.no_grad():
+        refs = [model(x) for x in xs]
+    budget = model.a.weight.nbytes + model.a.bias.nbytes + 1024
+    magi_core.offload(model, magi_core.OffloadConfig(unit_compiler="eager", transfer="unit", warmup_calls=2,
+                                                     device_memory_budget_bytes=budget), dynamic=False)
+    try:
+        outs = call_from_threads(model, xs)
+        for k in range(THREADS):
+            for out in outs[k]:
+                close(out, refs[k])
+        with torch.no_grad():
+            for k in range(2):
+                close(model(xs[k]), refs[k])
+        rts = magi_core.handle(model).runtimes
+        held: dict = {}
+        for r in rts:
+            held.update(r.resident_hosts)
+        buffers = {b.data_ptr(): b.numel() for r in rts
+                   if (b := getattr(r.executor.transfer, "device_buffer", None)) is not None}
+        assert sum(held.values()) + sum(buffers.values()) <= budget
+    finally:
+        magi_core.release(model)
