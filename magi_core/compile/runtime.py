@@ -137,10 +137,17 @@ class OffloadRuntime:
         self.device_budget_bytes: int | None = None
         self._meter = PeakMeter(executor.backend.device_module, executor.device)
         self._measure_steps = 0  # planned steps still to measure (the second planned step is measured)
+        #: Why the warm-up plan did not fit the device when compiled: raised at the first call, unless the model's
+        #: other graphs (not known yet here) give their memory back then.
+        self._unfit: DeviceMemoryError | None = None
         if config.warmup_calls > 0:
             plan = self.warmup_plan()
-            self._check_fits(plan)
-            executor.set_plan(plan)
+            try:
+                self._check_fits(plan)
+            except DeviceMemoryError as e:
+                self._unfit = e
+            else:
+                executor.set_plan(plan)
 
     def _default_timer(self, n_units: int) -> Any:
         return UnitTimer(n_units, backend=self.executor.backend)
@@ -157,6 +164,8 @@ class OffloadRuntime:
         """A graph compiled after others of the model planned warms up reading the weights they keep resident,
         streaming only the rest: its copy buffer then fits next to their resident weights, within their budget.
         An idle graph (:meth:`_idle_peers`) installs its warm-up plan again, the same way."""
+        if self._unfit is not None:
+            self._fit_warmup_in_peers_room()
         idle = self.phase == "idle"
         if idle:
             self.phase = "warmup"
@@ -177,6 +186,22 @@ class OffloadRuntime:
             plan = self.warmup_plan()
             self._check_fits(plan)
             self.executor.set_plan(plan)
+
+    def _fit_warmup_in_peers_room(self) -> None:
+        """A warm-up plan that did not fit the device beside what the model's other graphs hold: they give their
+        memory back (:meth:`_evict_peers`) and it is checked again; still too large, the error raised when compiled
+        is raised now, before anything is allocated."""
+        assert self._unfit is not None
+        with self.plan_lock if self.plan_lock is not None else contextlib.nullcontext():
+            if self._evictions >= _MAX_EVICTIONS or not self._evict_peers():
+                raise self._unfit
+            logger.info("magi offload: a graph's warm-up does not fit next to what the model's other graphs hold on "
+                        "%s; they hold nothing until their next call", self.executor.device)
+            release_cached_blocks(self.executor.backend)  # what they held is free, not cached
+            plan = self.warmup_plan()
+            self._check_fits(plan)
+            self.executor.set_plan(plan)
+            self._unfit = None
 
     def _idle_peers(self) -> None:
         """Graphs of the model still warming up and not running now hold nothing on the device while this one plans

@@ -265,3 +265,45 @@ def test_a_graph_planned_first_adopts_weights_another_graph_made_resident(device
         assert dm is not None
     finally:
         magi_core.release(model, restore=True)
+
+
+class TwoStacks(nn.Module):
+    """Two stacks of blocks, one per input shape (as a prefill and a decoding step read weights the other does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = Blocks(6)
+        self.second = Blocks(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) if x.shape[0] == 4 else self.second(x)
+
+
+def test_a_graph_with_no_room_left_on_the_card_takes_it_back_from_the_other(device_cap, two_graphs) -> None:
+    """The graph planned first keeps all it can resident on the card (a slow link); the second graph's weights
+    cannot even stream in what is left: the first gives its memory back, the second plans next to the room the
+    first needs to stream, and the first plans again next to it. Both run right, on the card, never past it."""
+    cap = device_cap(112 * MIB)
+    model = TwoStacks().eval()
+    dm = get_backend().device_module
+    small, large = torch.randn(4, DIM), torch.randn(8, DIM)
+    try:
+        with torch.no_grad():
+            ref_small, ref_large = model(small), model(large)
+            magi_core.offload(model, OffloadConfig(unit_compiler="eager", bandwidth_safety_factor=0.01))
+            for _ in range(4):
+                torch.testing.assert_close(model(small).cpu(), ref_small)
+            (first,) = magi_core.handle(model).stats()
+            assert first.resident_bytes >= 80 * MIB, "the first graph filled the card"
+            for _ in range(4):
+                torch.testing.assert_close(model(large).cpu(), ref_large)
+            for _ in range(3):
+                torch.testing.assert_close(model(small).cpu(), ref_small)
+                torch.testing.assert_close(model(large).cpu(), ref_large)
+                assert int(dm.max_memory_allocated()) <= cap
+        runtimes = magi_core.handle(model).runtimes
+        assert [r.phase for r in runtimes] == ["planned", "planned"]
+        assert sum(r._evictions for r in runtimes) == 1
+    finally:
+        magi_core.release(model, restore=True)
