@@ -41,7 +41,8 @@ class RuntimeStats:
     phase: str
     """``"warmup"``, ``"profile"`` (the warm-up call that times each unit), ``"planned"`` (the static plan runs) or
     ``"idle"`` (still warming up, holding nothing on the device since another graph of the model planned; its next
-    call warms it up again)."""
+    call warms it up again) or ``"yielded"`` (planned, holding nothing since it gave its device memory to another
+    graph of the model that could not run in what was left; its next call plans it again)."""
     steps: int
     """Calls of the graph run so far, warm-up calls included."""
     policy: str | None

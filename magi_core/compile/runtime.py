@@ -412,6 +412,7 @@ class OffloadRuntime:
             if not r.executor.suspend():  # a transfer that must keep step with other ranks keeps its plan
                 continue
             r._replan = True
+            r.phase = "yielded"
             r._evicted_floor = floor
             r.resident_hosts = {}
             r.predicted_peak_bytes = None

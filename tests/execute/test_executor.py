@@ -669,7 +669,7 @@ def test_a_graph_that_does_not_fit_next_to_the_first_takes_its_memory_back():
         for _ in range(3):
             close(fb(x), b(x))
         rb = HANDLES[-1].runtimes[1]
-        assert rb.phase == "planned" and ra.executor.plan is None and not ra.resident_hosts
+        assert rb.phase == "planned" and ra.phase == "yielded" and ra.executor.plan is None and not ra.resident_hosts
         assert _on_device(HANDLES[-1].runtimes) <= budget
         for _ in range(3):
             close(fa(x), a(x))
