@@ -649,6 +649,18 @@ def test_a_budget_too_small_names_a_minimum_that_fits():
     assert rt.phase == "planned" and _on_device([rt]) <= need
 
 
+def _first_graph_planned(a: torch.nn.Module, b: torch.nn.Module, budget: int) -> tuple[Any, Any, torch.Tensor]:
+    """``a`` and ``b`` compiled on one handle under ``budget`` (two graphs of one model), ``a`` called until planned."""
+    opts = {"unit_compiler": "eager", "warmup_calls": 2, "device_memory_budget_bytes": budget}
+    fa = compile_tracked(a, options=opts)
+    fb = torch.compile(b, backend=HANDLES[-1].backend, options=opts)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            close(fa(x), a(x))
+    return fa, fb, x
+
+
 def test_a_graph_that_does_not_fit_next_to_the_first_takes_its_memory_back():
     """A second graph of the model whose weights the first graph left no room to stream (the first keeps all of its
     own resident, the whole budget): the first gives its device memory back and plans again at its next call, next
@@ -657,13 +669,8 @@ def test_a_graph_that_does_not_fit_next_to_the_first_takes_its_memory_back():
     a, b = Layer(64).eval(), torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()).eval()  # two graphs
     weights = sum(t.nbytes for t in a.parameters())
     budget = weights + 1024  # a keeps all of its weights resident; a copy buffer's alignment fits the rest
-    opts = {"unit_compiler": "eager", "warmup_calls": 2, "device_memory_budget_bytes": budget}
-    fa = compile_tracked(a, options=opts)
-    fb = torch.compile(b, backend=HANDLES[-1].backend, options=opts)
-    x = torch.randn(3, 64)
+    fa, fb, x = _first_graph_planned(a, b, budget)
     with torch.no_grad():
-        for _ in range(3):
-            close(fa(x), a(x))
         ra = HANDLES[-1].runtimes[0]
         assert _on_device([ra]) == weights and ra.resident_hosts
         for _ in range(3):
@@ -704,13 +711,8 @@ def test_graphs_of_one_model_past_its_budget_say_what_to_do():
     a = Layer(64).eval()
     b = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64)).eval()
     budget = sum(t.nbytes for t in a.parameters())  # less than b's largest layer
-    opts = {"unit_compiler": "eager", "warmup_calls": 2, "device_memory_budget_bytes": budget}
-    fa = compile_tracked(a, options=opts)
-    fb = torch.compile(b, backend=HANDLES[-1].backend, options=opts)
-    x = torch.randn(3, 64)
+    fa, fb, x = _first_graph_planned(a, b, budget)
     with torch.no_grad():
-        for _ in range(3):
-            close(fa(x), a(x))
         assert _on_device(HANDLES[-1].runtimes) == budget
         with pytest.raises(ConfigError, match="too small.*raise it to at least"):
             for _ in range(3):

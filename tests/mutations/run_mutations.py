@@ -426,7 +426,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "aq", "runtime: a graph whose warm-up does not fit beside what the model's other graphs hold on the card never "
         "takes their memory back (a DeviceMemoryError where the card holds both graphs one after the other)",
         "magi_core/compile/runtime.py",
-        "            if self._evictions >= _MAX_EVICTIONS or not self._evict_peers():\n                raise self._unfit\n",
+        "            if self._evictions >= _MAX_EVICTIONS or not self._evict_peers():\n"
+        "                raise self._unfit\n",
         "            if True:\n                raise self._unfit\n",
         (("privateuse1", ("tests/compile/test_device_fit.py::"
                           "test_a_graph_with_no_room_left_on_the_card_takes_it_back_from_the_other",)),),
