@@ -632,7 +632,8 @@ class OffloadRuntime:
                 fits.append(streamed)
         if not fits:
             raise too_small(too_small_error)
-        return min(fits, key=lambda p: p.predicted_step_ms)
+        # the fastest; among plans as fast, the one copying least per step
+        return min(fits, key=lambda p: (p.predicted_step_ms, -p.notes.get("resident_bytes", 0.0)))
 
     def _plan(self, profiles: list[UnitProfile], bandwidth_Bps: float, config: OffloadConfig,
               shared: frozenset[int]) -> Plan:

@@ -499,8 +499,9 @@ def test_budget_fit_installs_a_measured_plan_that_keeps_what_fits(policy, share)
 
 def test_budget_fit_bisects_back_up_when_a_shrunk_budget_is_too_small_to_plan():
     """A first plan far over the budget shrinks the planning budget below what streaming needs, and the planner
-    refuses it: the fit bisects back up and installs a plan that fits instead of failing (seen in CI on magidev,
-    where HEURISTIC's timings made a second input shape's first plan keep too much)."""
+    refuses it: the fit bisects back up and installs a plan that fits, with weights resident, instead of failing or
+    streaming everything (seen in CI on magidev, where HEURISTIC's timings made a second input shape's first plan
+    keep too much)."""
     model = TableStack(n=7).eval()
     weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     budget = int(0.55 * weights)
@@ -529,6 +530,7 @@ def test_budget_fit_bisects_back_up_when_a_shrunk_budget_is_too_small_to_plan():
             close(f(x), model(x))
     assert refused and max(refused) < budget  # the shrink went below what streaming needs
     assert rt.phase == "planned" and _on_device([rt]) <= budget
+    assert rt.executor.actions.resident_bytes > 0, "bisected back up to a plan keeping weights, not streaming all"
 
 
 @pytest.mark.parametrize("limit", ["ratio", "budget"])
