@@ -149,8 +149,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("core", ("tests/execute/test_transfer.py",)), ("privateuse1", EXECUTOR_PU1)),
     ),
     Mutation(
-        "i", "budget fit: a shrunk planning budget the planner refuses ends the fit (streaming everything, or an error) "
-        "instead of bisecting back up",
+        "i", "budget fit: a shrunk planning budget the planner refuses ends the fit (streaming everything, or an "
+        "error) instead of bisecting back up",
         "magi_core/compile/runtime.py",
         "                if budget >= limit or failed is None:\n",
         "                if True:\n",
