@@ -131,10 +131,11 @@ if [ "$what" = first-step ]; then  # time to the first offloaded step against di
   rm -rf "$ck"
 fi
 if [ "$what" = cap-grid ]; then  # step time against card size (benchmarks/cap_grid.py), one process per row, resumable:
-  # each call runs rows for SESSION_CAP_BUDGET seconds and writes $OUT/cap-grid-h200.json (and the plot); put that file
-  # at benchmarks/results/cap-grid-h200.json (or SESSION_CAP_RESUME) before the next call, which resumes from it, until
-  # it reports 0 remaining. SESSION_CAP_MODELS / SESSION_CAP_CAPS / SESSION_CAP_SYSTEMS narrow it (comma lists).
-  prev=${SESSION_CAP_RESUME:-benchmarks/results/cap-grid-h200.json}
+  # each call runs rows for SESSION_CAP_BUDGET seconds and writes $OUT/cap-grid-h200.json (and the plot); copy that file
+  # over the newest benchmarks/results/*cap-grid-h200.json (or name one in SESSION_CAP_RESUME) before the next call,
+  # which resumes from it, until it reports 0 remaining. SESSION_CAP_MODELS / SESSION_CAP_CAPS / SESSION_CAP_SYSTEMS
+  # narrow it (comma lists).
+  prev=${SESSION_CAP_RESUME:-$(ls benchmarks/results/*cap-grid-h200.json 2>/dev/null | tail -n 1)}
   resume=(); [ -f "$prev" ] && resume=(--resume "$prev")
   python3 benchmarks/cap_grid.py --models "${SESSION_CAP_MODELS:-llama8b,wan14b,flux}" \
     --caps "${SESSION_CAP_CAPS:-12GiB,16GiB,24GiB,48GiB,none}" \
