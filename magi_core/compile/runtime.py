@@ -124,9 +124,6 @@ class OffloadRuntime:
         self._replans = 0
         #: Times this graph took the device memory of the model's other graphs back to plan.
         self._evictions = 0
-        #: Set while this graph holds nothing since another graph took its device memory back: the copy buffer its
-        #: plan will need at least (streaming everything, look-ahead copies), kept free for it by the others.
-        self._evicted_floor = 0
         #: Device bytes a warm-up call allocated beyond its weights (activations, workspaces): the last one's.
         self.activation_bytes = 0
         #: What the installed static plan holds on the device: resident weights, copy buffer, activations.
@@ -193,7 +190,7 @@ class OffloadRuntime:
         is raised now, before anything is allocated."""
         assert self._unfit is not None
         with self.plan_lock if self.plan_lock is not None else contextlib.nullcontext():
-            if self._evictions >= _MAX_EVICTIONS or not self._evict_peers():
+            if not self._evict_peers():
                 raise self._unfit
             logger.info("magi offload: a graph's warm-up does not fit next to what the model's other graphs hold on "
                         "%s; they hold nothing until their next call", self.executor.device)
@@ -292,7 +289,6 @@ class OffloadRuntime:
                 logger.info("magi offload: planning a graph again: another graph of the model keeps weights "
                             "resident that it streams")
             self._replan = False
-            self._evicted_floor = 0
             self._idle_peers()
             before = {k for r in self._peers_on_device() if r._planned for k in r.resident_hosts}
             buffer_before = _buffer_bytes(self)
@@ -379,10 +375,9 @@ class OffloadRuntime:
         room = self._room(with_peers=False)
         if room is None or not self.executor.units:
             return
-        _, buffer = self.executor.footprint(plan)
-        need = buffer or self._plan_peak(plan)
         largest = max(self.executor.units, key=lambda u: u.nbytes)
-        check_unit_fits(room, need, largest.label or largest.attr, largest.nbytes, self.executor.device)
+        check_unit_fits(room, self._footprint(plan), largest.label or largest.attr, largest.nbytes,
+                        self.executor.device)
 
     def _plan_for_device(self, args: Sequence[Any]) -> Plan:
         """The static plan for what the config asks and the device can spare (:meth:`_plan_next_to_peers`); where
@@ -391,7 +386,7 @@ class OffloadRuntime:
         try:
             return self._plan_next_to_peers(args)
         except (ConfigError, DeviceMemoryError) as e:
-            if self._evictions >= _MAX_EVICTIONS or not self._evict_peers():
+            if not self._evict_peers():
                 raise
             logger.info("magi offload: a graph does not fit next to what the model's other graphs hold on %s (%s); "
                         "they hold nothing until their next call, which plans them again next to this one",
@@ -402,18 +397,18 @@ class OffloadRuntime:
         """Take the device memory of the model's other planned graphs back: each drops its resident copies and copy
         buffer (after the work queued on them) and plans again at its next call, next to this graph's plan, which
         keeps the room it needs to stream everything (:meth:`_stream_floor`). A prefill that filled the budget
-        first no longer starves the decoding step. False where no graph gave anything back. Callers hold the plan
-        lock."""
+        first no longer starves the decoding step. False where no graph gave anything back, or this graph took
+        memory back :data:`_MAX_EVICTIONS` times already. Callers hold the plan lock."""
+        if self._evictions >= _MAX_EVICTIONS:
+            return False
         evicted = False
         for r in self._peers_on_device():
             if not r._planned or r.executor.plan is None:
                 continue
-            floor = r._stream_floor()
             if not r.executor.suspend():  # a transfer that must keep step with other ranks keeps its plan
                 continue
             r._replan = True
             r.phase = "yielded"
-            r._evicted_floor = floor
             r.resident_hosts = {}
             r.predicted_peak_bytes = None
             evicted = True
@@ -422,7 +417,11 @@ class OffloadRuntime:
 
     def _stream_floor(self) -> int:
         """Device bytes this graph needs at least to run: its look-ahead plan with nothing resident."""
-        plan = self.warmup_plan()
+        return self._footprint(self.warmup_plan())
+
+    def _footprint(self, plan: Plan) -> int:
+        """Device bytes ``plan``'s streamed weights take: the copy buffer it needs, or (a transfer that allocates per
+        copy) the plan's peak."""
         _, buffer = self.executor.footprint(plan)
         return buffer or self._plan_peak(plan)
 
@@ -732,8 +731,8 @@ def _buffer_bytes(runtime: OffloadRuntime) -> int:
 def _needs_bytes(runtime: OffloadRuntime) -> int:
     """Device bytes a runtime's copies need: its copy buffer, or the weights in flight of a transfer that allocates
     per copy; or what it needs at least once it plans again, where it gave its memory back to another graph."""
+    if runtime.phase == "yielded":
+        return runtime._stream_floor()
     if runtime.executor.transfer.allocates:
-        held = OffloadRuntime._plan_peak(runtime.executor.plan, streamed_only=True)
-    else:
-        held = _buffer_bytes(runtime)
-    return max(held, runtime._evicted_floor)
+        return OffloadRuntime._plan_peak(runtime.executor.plan, streamed_only=True)
+    return _buffer_bytes(runtime)
