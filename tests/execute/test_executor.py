@@ -692,6 +692,26 @@ def test_a_graph_that_does_not_fit_next_to_the_first_takes_its_memory_back():
         assert (ra.plan, rb.plan) == plans
 
 
+def test_a_graph_that_gave_its_memory_back_sees_weights_edited_meanwhile():
+    """Weights edited in place while a graph holds nothing (it gave its memory to another graph) reach its next
+    call, which plans again; later edits keep reaching both graphs."""
+    a, b = Layer(64).eval(), torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()).eval()
+    budget = sum(t.nbytes for t in a.parameters()) + 1024
+    fa, fb, x = _first_graph_planned(a, b, budget)
+    with torch.no_grad():
+        for _ in range(3):
+            close(fb(x), b(x))
+        ra = HANDLES[-1].runtimes[0]
+        assert ra.phase == "yielded"
+        a.lin.weight.mul_(-2.0)
+        b[0].bias.add_(1.0)
+        for _ in range(3):
+            close(fa(x), a(x))
+            close(fb(x), b(x))
+        a.lin.bias.add_(0.5)
+        close(fa(x), a(x))
+
+
 def test_a_call_that_finds_its_graph_suspended_plans_it_again_and_runs():
     """A planned call that passed the fast path just before another graph took this graph's memory back (the other
     thread's eviction lands between the check and the step) plans again and runs right, never on a dropped plan."""
