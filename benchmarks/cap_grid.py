@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fnmatch
 import json
 import logging
 import os
@@ -253,11 +254,16 @@ def save(doc: dict[str, Any], path: Path) -> None:
     tmp.replace(path)
 
 
-def merge_rows(doc: dict[str, Any], previous: Iterable[dict[str, Any]], retry_failed: bool) -> set[str]:
-    """Keep the rows of an earlier run of the grid; the keys that need not run again."""
+def merge_rows(doc: dict[str, Any], previous: Iterable[dict[str, Any]], retry_failed: bool,
+               rerun: Sequence[str] = ()) -> set[str]:
+    """Keep the rows of an earlier run of the grid, but failed ones with ``retry_failed`` and those whose key
+    matches a ``rerun`` pattern (``fnmatch``, e.g. ``llama8b/*/16GiB/magi_default``); the keys that need not run
+    again."""
     done: set[str] = set()
     for r in previous:
         if retry_failed and r.get("status") != "ok":
+            continue
+        if any(fnmatch.fnmatchcase(r["key"], pattern) for pattern in rerun):
             continue
         doc["rows"].append(r)
         done.add(r["key"])
@@ -272,7 +278,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     done: set[str] = set()
     if resume is not None and resume.exists():
         before = json.loads(resume.read_text())
-        done = merge_rows(doc, before.get("rows", []), args.retry_failed)
+        done = merge_rows(doc, before.get("rows", []), args.retry_failed,
+                          [p for p in (args.rerun or "").split(",") if p])
         doc["commands"] = list(before.get("commands", []))
         doc["date"] = before.get("date", doc["date"])
         logger.info("resuming from %s: %d rows done", resume, len(done))
@@ -406,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--worker-timeout", type=float, default=420.0, help="seconds one row may take (default 420)")
     ap.add_argument("--resume", type=Path, default=None, help="a result of an earlier run: its rows are kept")
     ap.add_argument("--retry-failed", action="store_true", help="run rows that failed earlier again")
+    ap.add_argument("--rerun", default=None, metavar="PATTERNS",
+                    help="comma list of row-key patterns (fnmatch: MODEL/TOKENS/CAP/SYSTEM, e.g. '*/magi_default') "
+                         "to run again though the resumed result has them (after a change to what they measure)")
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default benchmarks/results/<date>-cap-grid"
                     "-<hardware>.json)")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of step time against card size (default next to "

@@ -134,13 +134,15 @@ if [ "$what" = cap-grid ]; then  # step time against card size (benchmarks/cap_g
   # each call runs rows for SESSION_CAP_BUDGET seconds and writes $OUT/cap-grid-h200.json (and the plot); copy that file
   # over the newest benchmarks/results/*cap-grid-h200.json (or name one in SESSION_CAP_RESUME) before the next call,
   # which resumes from it, until it reports 0 remaining. SESSION_CAP_MODELS / SESSION_CAP_CAPS / SESSION_CAP_SYSTEMS
-  # narrow it (comma lists).
+  # narrow it (comma lists); SESSION_CAP_RERUN (comma list of row-key patterns, e.g. '*/magi_default') runs rows again
+  # that the resumed result has (after a change to what they measure).
   prev=${SESSION_CAP_RESUME:-$(ls benchmarks/results/*cap-grid-h200.json 2>/dev/null | tail -n 1)}
   resume=(); [ -f "$prev" ] && resume=(--resume "$prev")
   python3 benchmarks/cap_grid.py --models "${SESSION_CAP_MODELS:-llama8b,wan14b,flux}" \
     --caps "${SESSION_CAP_CAPS:-12GiB,16GiB,24GiB,48GiB,none}" \
     --systems "${SESSION_CAP_SYSTEMS:-magi_default,magi_r0,diffusers,accelerate}" \
-    --time-budget "${SESSION_CAP_BUDGET:-450}" ${resume[@]+"${resume[@]}"} --out "$OUT/cap-grid-h200.json" \
+    --time-budget "${SESSION_CAP_BUDGET:-450}" ${resume[@]+"${resume[@]}"} ${SESSION_CAP_RERUN:+--rerun "$SESSION_CAP_RERUN"} \
+    --out "$OUT/cap-grid-h200.json" \
     --plot "$OUT/cap-grid-h200.png" > "$OUT/cap-grid.log" 2>&1 || rc=1
   tail -n 30 "$OUT/cap-grid.log"
 fi

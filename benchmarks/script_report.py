@@ -8,6 +8,7 @@ Each is recognised by its keys; unknown documents are left out."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from magi_core.bench.generate.report import INTRO as GENERATE_INTRO
@@ -228,8 +229,12 @@ def is_script_doc(doc: dict[str, Any]) -> bool:
     return any(recognise(doc) for recognise, *_ in SECTIONS)
 
 
-def scripts_markdown(docs: Sequence[dict[str, Any]]) -> list[str]:
-    """A section per kind present in ``docs``, its runs newest first."""
+#: Plots of a kind's runs in the docs directory, by the run's date (``cap_grid.py --plot``, copied there).
+PLOTS: dict[Callable[[dict[str, Any]], list[str]], str] = {cap_grid_run: "cap-grid-{date}-*.png"}
+
+
+def scripts_markdown(docs: Sequence[dict[str, Any]], docs_dir: Path | None = None) -> list[str]:
+    """A section per kind present in ``docs``, its runs newest first (with their plots found in ``docs_dir``)."""
     lines: list[str] = []
     for recognise, title, intro, run in SECTIONS:
         mine = sorted((d for d in docs if recognise(d)), key=lambda d: d.get("date") or (d.get("env") or {}).get(
@@ -238,4 +243,9 @@ def scripts_markdown(docs: Sequence[dict[str, Any]]) -> list[str]:
             lines += [f"## {title}", "", intro, ""]
             for doc in mine:
                 lines += run(doc)
+                pattern = PLOTS.get(run)
+                date = str(doc.get("date") or "")[:10]
+                if pattern and docs_dir is not None and date:
+                    lines += [f"![{title}]({png.name})" for png in sorted(docs_dir.glob(pattern.format(date=date)))]
+                    lines.append("")
     return lines

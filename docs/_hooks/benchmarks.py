@@ -47,7 +47,7 @@ def results_markdown(docs_dir: Path) -> str:
         lines += doc_markdown(doc, png if png.exists() else None, docs_dir)
     if exchanges:
         lines += exchange_markdown(exchanges)
-    lines += scripts_markdown(scripts)
+    lines += scripts_markdown(scripts, docs_dir)
     log.info("benchmarks page: %d bench documents, %d exchange, %d script results", len(bench), len(exchanges),
              len(scripts))
     return "\n".join(lines).rstrip() + "\n"

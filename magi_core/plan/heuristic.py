@@ -39,6 +39,7 @@ from magi_core.plan.common import (
 from magi_core.plan.contract import STEP_START, Plan, UnitProfile
 from magi_core.plan.lookahead import lookahead_plan
 from magi_core.plan.simulate import SimResult, simulate, transfer_ms
+from magi_core.plan.spread import spread_residencies
 
 if TYPE_CHECKING:
     from magi_core.config import OffloadConfig
@@ -325,9 +326,7 @@ class HeuristicScheduler:
         order = least_compute_per_byte(profiles)
         built: dict[frozenset[int], Plan] = {}  # caps that keep the same units plan the same
 
-        def build(cap: int) -> Plan:
-            needed = stall_removing_set(profiles, cap, bw)
-            resident = fill(order, profiles, cap, needed)
+        def for_residency(resident: frozenset[int]) -> Plan:
             plan = built.get(resident)
             if plan is None:
                 plan = heuristic_plan(profiles, resident, bw, margin, self.name, fast_bandwidth_Bps=bandwidth_Bps)
@@ -336,6 +335,15 @@ class HeuristicScheduler:
                     # too many copies ahead of the running unit for the budget: limit them to the look-ahead
                     plan = heuristic_plan(profiles, resident, bw, margin, self.name, window=config.lookahead)
                 built[resident] = plan
+            return plan
+
+        def screen(resident: frozenset[int]) -> Plan:
+            return heuristic_plan(profiles, resident, bw, margin, self.name, window=config.lookahead)
+
+        def build(cap: int) -> Plan:
+            needed = stall_removing_set(profiles, cap, bw)
+            plan = _spread_if_faster(for_residency(fill(order, profiles, cap, needed)), profiles, bw, bandwidth_Bps,
+                                     budget, for_residency, screen)
             # what the step needs resident (the rest only fills the cap): a caller after the least memory plans
             # with that much
             notes = {**plan.notes, "needed_resident_bytes": float(sum(profiles[u].weight_bytes for u in needed))}
@@ -346,6 +354,40 @@ class HeuristicScheduler:
 
         plan = plan_with_limits(profiles, config, build, fallback)
         return plan if budget is None else _trade_residency_for_copies(plan, profiles, budget, build)
+
+
+def _spread_if_faster(
+    plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, fast_bandwidth_Bps: float,
+    budget: int | None, for_residency: Callable[[frozenset[int]], Plan], screen: Callable[[frozenset[int]], Plan],
+) -> Plan:
+    """``plan``, or a plan holding the same bytes resident with the streamed blocks of each size spread along the
+    step (:func:`~magi_core.plan.spread.spread_residencies`) when that is faster.
+
+    Only a plan that stalls is looked at (a step at its compute or at its copies cannot get shorter). The spread
+    sets are ranked by ``screen`` (a plan cheap to build: the look-ahead window's); the best, unless it screens
+    slower than ``plan``'s own set, is planned in full (``for_residency``) and replaces ``plan`` when its predicted
+    step is shorter, or as long and shorter at the measured rate by :data:`_FAST_GAIN`, and it holds no more than
+    ``budget`` (without one: no more than ``plan``)."""
+    streamed = plan.streamed()
+    floor = max(sum(p.compute_ms for p in profiles),
+                sum(transfer_ms(profiles[j].weight_bytes, bandwidth_Bps) for j in streamed))
+    if not streamed or plan.predicted_step_ms <= floor * (1 + _FAST_GAIN) + 1e-9:
+        return plan
+    ranked = sorted((screen(r).predicted_step_ms, i, r)
+                    for i, r in enumerate(spread_residencies(profiles, plan.resident)))
+    if not ranked or ranked[0][0] > screen(plan.resident).predicted_step_ms * (1 + 1e-9) + 1e-9:
+        return plan
+    candidate = for_residency(ranked[0][2])
+    limit = budget if budget is not None else plan.notes["peak_device_bytes"]
+    if candidate.notes["peak_device_bytes"] > limit:
+        return plan
+    if candidate.predicted_step_ms < plan.predicted_step_ms * (1 - 1e-9) - 1e-9:
+        return candidate
+    if (candidate.predicted_step_ms <= plan.predicted_step_ms * (1 + 1e-9) + 1e-9
+            and simulate(candidate, profiles, fast_bandwidth_Bps).step_ms
+            < simulate(plan, profiles, fast_bandwidth_Bps).step_ms * (1 - _FAST_GAIN)):
+        return candidate
+    return plan
 
 
 #: Copy windows (streamed units in flight ahead of the running one) :func:`fewest_copies_ahead` tries.

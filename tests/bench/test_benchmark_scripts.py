@@ -185,9 +185,40 @@ def test_cap_grid_ideal_floor_order_and_time_budget(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(grid, "run_row", lambda row, *a: calls.append(row["key"]) or {})
     ns = grid.argparse.Namespace(models=["flux"], caps=["none"], systems=["magi_r0"], tokens=grid.TOKENS,
                                  no_resident=True, resume=None, out=tmp_path / "g.json", retry_failed=False,
-                                 time_budget=10.0, worker_timeout=60.0, steps=3, dtype="bf16")
+                                 rerun=None, time_budget=10.0, worker_timeout=60.0, steps=3, dtype="bf16")
     left = grid.run_grid(ns)
     assert calls == [] and left["remaining"] == ["flux/4096/none/magi_r0"] and not left["complete"]
+
+
+def test_cap_grid_resume_runs_again_only_the_rows_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resuming keeps the rows done; ``--rerun`` patterns (and ``--retry-failed``) name the ones to run again, and
+    the new result replaces the old row rather than adding a second one."""
+    grid = _cap_grid_module()
+    keys = ["flux/4096/none/magi_r0", "flux/4096/none/magi_default", "flux/4096/16GiB/magi_default"]
+    old = {"rows": [{"key": k, "model": "flux", "tokens": 4096, "cap": k.split("/")[2], "system": k.split("/")[3],
+                     "status": "ok", "step_ms": 1.0, "wall_s": 1.0} for k in keys],
+           "commands": ["first"], "date": "2026-12-03"}
+    old["rows"][0]["status"] = "failed"
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    calls: list[str] = []
+    monkeypatch.setattr(grid, "run_row", lambda row, *a: calls.append(row["key"]) or {
+        **row, "status": "ok", "step_ms": 2.0, "wall_s": 1.0})
+
+    def run(**kw: object) -> dict:
+        ns = grid.argparse.Namespace(models=["flux"], caps=["16GiB", "none"], systems=["magi_r0", "magi_default"],
+                                     tokens=grid.TOKENS, no_resident=True, resume=tmp_path / "old.json",
+                                     out=tmp_path / "new.json", time_budget=0.0, worker_timeout=60.0, steps=3,
+                                     dtype="bf16", **{"retry_failed": False, "rerun": None, **kw})
+        return grid.run_grid(ns)
+
+    doc = run(rerun="*/16GiB/magi_default")
+    assert sorted(calls) == ["flux/4096/16GiB/magi_default", "flux/4096/16GiB/magi_r0"]
+    rows = {r["key"]: r for r in doc["rows"]}
+    assert len(doc["rows"]) == len(rows) == 4 and rows["flux/4096/16GiB/magi_default"]["step_ms"] == 2.0
+    assert rows["flux/4096/none/magi_r0"]["status"] == "failed" and doc["commands"][0] == "first"
+    calls.clear()
+    run(retry_failed=True)
+    assert sorted(calls) == ["flux/4096/16GiB/magi_r0", "flux/4096/none/magi_r0"]
 
 
 def test_cap_grid_report_section_and_plot(tmp_path: Path) -> None:
@@ -210,5 +241,10 @@ def test_cap_grid_report_section_and_plot(tmp_path: Path) -> None:
     text = "\n".join(scripts_markdown([doc]))
     assert "| system | 12GiB | none |" in text and "| magi_r0 | failed: OutOfMemoryError: / out of memory |" in text
     assert "450.0 (0.96x; 1.074 GB)" in text
+    assert "cap-grid-2026-12-03" not in text  # no docs directory: no plot named
+    (tmp_path / "cap-grid-2026-12-03-h200.png").write_bytes(b"png")
+    (tmp_path / "cap-grid-2026-12-02-h200.png").write_bytes(b"png")
+    text = "\n".join(scripts_markdown([doc], tmp_path))
+    assert "](cap-grid-2026-12-03-h200.png)" in text and "2026-12-02" not in text
     pytest.importorskip("matplotlib")
     assert grid.plot(doc, tmp_path / "grid.png") == tmp_path / "grid.png" and (tmp_path / "grid.png").stat().st_size

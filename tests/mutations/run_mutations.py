@@ -450,6 +450,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("core", ("tests/execute/test_executor.py::"
                    "test_a_graph_that_does_not_fit_next_to_the_first_takes_its_memory_back",)),),
     ),
+    Mutation(
+        "ar", "plan: HEURISTIC keeps the streamed blocks where its residency ranking left them (side by side at the "
+        "end of a stack, each waiting for the copy of the one before under a budget)",
+        "magi_core/plan/heuristic.py",
+        "    if not streamed or plan.predicted_step_ms <= floor * (1 + _FAST_GAIN) + 1e-9:\n        return plan\n",
+        "    return plan\n",
+        (("core", ("tests/plan/test_spread.py",)),),
+    ),
+    Mutation(
+        "as", "plan: spreading streamed blocks takes the spread plan even where it is slower",
+        "magi_core/plan/heuristic.py",
+        "    if candidate.predicted_step_ms < plan.predicted_step_ms * (1 - 1e-9) - 1e-9:\n        return candidate\n",
+        "    return candidate\n",
+        (("core", ("tests/plan/test_spread.py",)),),
+    ),
 )
 
 
