@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|cap-grid|generate|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|cap-grid|generate|split-cost|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset). The device tool brings back at most 8 files, so
@@ -145,6 +145,19 @@ if [ "$what" = cap-grid ]; then  # step time against card size (benchmarks/cap_g
     --out "$OUT/cap-grid-h200.json" \
     --plot "$OUT/cap-grid-h200.png" > "$OUT/cap-grid.log" 2>&1 || rc=1
   tail -n 30 "$OUT/cap-grid.log"
+fi
+if [ "$what" = split-cost ]; then  # what the unit split itself costs, apart from streaming: per model the compiled
+  # resident step, magi-core at ratio 1 compiled whole (one unit), at ratio 1 split into blocks (max_unit_bytes set:
+  # every unit resident, nothing streamed) and the default config on the whole card; SESSION_SPLIT_MODELS narrows it
+  for m in ${SESSION_SPLIT_MODELS:-flux llama8b}; do
+    python3 -m magi_core bench --models "$m" --systems resident_compiled,magi --magi-default --policies HEURISTIC \
+      --ratios 1 --budgets "" --no-overhead-probe --no-host-timing --steps 5 --time-budget 0 \
+      --out "$OUT/split-cost-$m-whole.json" > "$OUT/split-cost-$m-whole.log" 2>&1 || rc=1
+    MAGI_OFFLOAD_MAX_UNIT_BYTES=256MiB python3 -m magi_core bench --models "$m" --systems magi --policies HEURISTIC \
+      --ratios 1 --budgets "" --no-overhead-probe --no-host-timing --steps 5 --time-budget 0 \
+      --out "$OUT/split-cost-$m-split.json" > "$OUT/split-cost-$m-split.log" 2>&1 || rc=1
+    tail -n 6 "$OUT/split-cost-$m-whole.log" "$OUT/split-cost-$m-split.log"
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
