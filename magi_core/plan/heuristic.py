@@ -361,31 +361,39 @@ def _spread_if_faster(
     budget: int | None, for_residency: Callable[[frozenset[int]], Plan], screen: Callable[[frozenset[int]], Plan],
 ) -> Plan:
     """``plan``, or a plan holding the same bytes resident with the streamed blocks of each size spread along the
-    step (:func:`~magi_core.plan.spread.spread_residencies`) when that is faster.
+    step (:func:`~magi_core.plan.spread.spread_residencies`) when that is faster, or as fast in less memory.
 
-    Only a plan that stalls is looked at (a step at its compute or at its copies cannot get shorter). The spread
-    sets are ranked by ``screen`` (a plan cheap to build: the look-ahead window's); the best, unless it screens
-    slower than ``plan``'s own set, is planned in full (``for_residency``) and replaces ``plan`` when its predicted
-    step is shorter, or as long and shorter at the measured rate by :data:`_FAST_GAIN`, and it holds no more than
-    ``budget`` (without one: no more than ``plan``)."""
+    Only a plan that stalls (a step at its compute or at its copies cannot get shorter) or holds more than two
+    streamed units in flight is looked at. The spread sets are ranked by ``screen`` (a plan cheap to build: the
+    look-ahead window's); the best, unless it screens slower than ``plan``'s own set, is planned in full
+    (``for_residency``). It replaces ``plan`` when it holds no more than ``budget`` (without one: than ``plan``)
+    and its predicted step is shorter, or as long and shorter at the measured rate by :data:`_FAST_GAIN`, or as
+    long at both rates and holding less."""
     streamed = plan.streamed()
+    if not streamed:
+        return plan
     floor = max(sum(p.compute_ms for p in profiles),
                 sum(transfer_ms(profiles[j].weight_bytes, bandwidth_Bps) for j in streamed))
-    if not streamed or plan.predicted_step_ms <= floor * (1 + _FAST_GAIN) + 1e-9:
+    stalls = plan.predicted_step_ms > floor * (1 + _FAST_GAIN) + 1e-9
+    two = sum(sorted((profiles[j].weight_bytes for j in streamed), reverse=True)[:2])
+    peak = plan.notes["peak_device_bytes"]
+    if not stalls and peak <= plan.notes["resident_bytes"] + two:
         return plan
     ranked = sorted((screen(r).predicted_step_ms, i, r)
                     for i, r in enumerate(spread_residencies(profiles, plan.resident)))
     if not ranked or ranked[0][0] > screen(plan.resident).predicted_step_ms * (1 + 1e-9) + 1e-9:
         return plan
     candidate = for_residency(ranked[0][2])
-    limit = budget if budget is not None else plan.notes["peak_device_bytes"]
-    if candidate.notes["peak_device_bytes"] > limit:
+    if candidate.notes["peak_device_bytes"] > (budget if budget is not None else peak):
         return plan
     if candidate.predicted_step_ms < plan.predicted_step_ms * (1 - 1e-9) - 1e-9:
         return candidate
-    if (candidate.predicted_step_ms <= plan.predicted_step_ms * (1 + 1e-9) + 1e-9
-            and simulate(candidate, profiles, fast_bandwidth_Bps).step_ms
-            < simulate(plan, profiles, fast_bandwidth_Bps).step_ms * (1 - _FAST_GAIN)):
+    if candidate.predicted_step_ms > plan.predicted_step_ms * (1 + 1e-9) + 1e-9:
+        return plan
+    fast, fast_plan = (simulate(p, profiles, fast_bandwidth_Bps).step_ms for p in (candidate, plan))
+    if fast < fast_plan * (1 - _FAST_GAIN):
+        return candidate
+    if fast <= fast_plan * (1 + _FAST_GAIN) and candidate.notes["peak_device_bytes"] < peak:
         return candidate
     return plan
 

@@ -454,7 +454,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ar", "plan: HEURISTIC keeps the streamed blocks where its residency ranking left them (side by side at the "
         "end of a stack, each waiting for the copy of the one before under a budget)",
         "magi_core/plan/heuristic.py",
-        "    if not streamed or plan.predicted_step_ms <= floor * (1 + _FAST_GAIN) + 1e-9:\n        return plan\n",
+        "    if not streamed:\n        return plan\n",
         "    return plan\n",
         (("core", ("tests/plan/test_spread.py",)),),
     ),
@@ -463,6 +463,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/plan/heuristic.py",
         "    if candidate.predicted_step_ms < plan.predicted_step_ms * (1 - 1e-9) - 1e-9:\n        return candidate\n",
         "    return candidate\n",
+        (("core", ("tests/plan/test_spread.py",)),),
+    ),
+    Mutation(
+        "at", "plan: a plan as fast either way keeps its streamed blocks side by side, their copies queued several "
+        "blocks ahead (a copy buffer of four layers where two hold the same step)",
+        "magi_core/plan/heuristic.py",
+        "    if not stalls and peak <= plan.notes[\"resident_bytes\"] + two:\n",
+        "    if not stalls:\n",
         (("core", ("tests/plan/test_spread.py",)),),
     ),
 )
