@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|cap-grid|generate|split-cost|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|cap-grid|generate|split-cost|plan-probe|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset). The device tool brings back at most 8 files, so
@@ -158,6 +158,16 @@ if [ "$what" = split-cost ]; then  # what the unit split itself costs, apart fro
       --out "$OUT/split-cost-$m-split.json" > "$OUT/split-cost-$m-split.log" 2>&1 || rc=1
     tail -n 6 "$OUT/split-cost-$m-whole.log" "$OUT/split-cost-$m-split.log"
   done
+fi
+if [ "$what" = plan-probe ]; then  # why the default config runs slower than its ideal at some card sizes (issue 32):
+  # each case a process of its own (the cap applies from the first allocation); plan, copy and compute gaps
+  while read -r m tokens cap; do
+    python3 benchmarks/plan_probe.py --model "$m" --tokens "$tokens" --ratio default ${cap:+--device-memory "$cap"} \
+      --variants HEURISTIC,HEURISTIC-nospread --steps 5 --profiles --out "$OUT/plan-probe-$m-${cap:-whole}.json" \
+      > "$OUT/plan-probe-$m-${cap:-whole}.log" 2>&1 || rc=1
+  done <<< "${SESSION_PLAN_PROBES:-llama8b 2048 16GiB
+flux 4096 24GiB
+flux 4096 }"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1

@@ -2,13 +2,18 @@
 stream's gaps.
 
     python benchmarks/plan_probe.py --model llama8b --tokens 2048 --ratio 0 --out plan_probe.json
+    python benchmarks/plan_probe.py --model flux --tokens 4096 --ratio default --device-memory 24GiB \
+        --variants HEURISTIC,HEURISTIC-nospread --out plan_probe.json
 
 For each variant: ``magi_core.offload`` a fresh model, warm it up, time ``--steps`` calls (median), and record
 the plan (resident units, copy positions, next-step carry), the unit profiles it was built from, the unit
 transfer's buffer bytes and fallbacks, and from one profiled step the copy stream's busy share and its
-largest gaps (which copy waited, after what). Variants ``HEURISTIC-nocarry`` and ``HEURISTIC-nobusy`` switch
-off the cross-call carry search and the busy-copy-stream rule of :mod:`magi_core.plan.heuristic` for that run
-only. Diagnostics: nothing is asserted; results JSON with hardware and date.
+largest gaps (which copy waited, after what), and the compute kernels' idle time (a step that waits for copies
+or for the host shows it there). Variants ``HEURISTIC-nocarry``, ``HEURISTIC-nobusy`` and ``HEURISTIC-nospread``
+switch off the cross-call carry search, the busy-copy-stream rule and the spreading of streamed blocks of
+:mod:`magi_core.plan.heuristic` for that run only. ``--ratio default`` plans as ``OffloadConfig()`` does (fit the
+card, the policy of the variant); ``--device-memory`` caps the process's device memory first, as
+``magi bench --device-memory`` does. Diagnostics: nothing is asserted; results JSON with hardware and date.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import datetime
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,20 +37,23 @@ from magi_core.api import handle, release
 from magi_core.bench.real import REAL_WORKLOADS, real_workload
 from magi_core.bench.workloads import probe_workload
 from magi_core.plan import heuristic
+from magi_core.plugin.device_limit import limit_device_memory
 
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[str]:
     """Patch :mod:`magi_core.plan.heuristic` for a HEURISTIC variant; yields the policy to configure."""
-    saved = (heuristic._earlier_carry, heuristic.BUSY_SHARE)
+    saved = (heuristic._earlier_carry, heuristic.BUSY_SHARE, heuristic._spread_if_faster)
     try:
         if name == "HEURISTIC-nocarry":
             heuristic._earlier_carry = lambda plan, *a, **k: plan  # type: ignore[assignment]
         elif name == "HEURISTIC-nobusy":
             heuristic.BUSY_SHARE = float("inf")
+        elif name == "HEURISTIC-nospread":
+            heuristic._spread_if_faster = lambda plan, *a, **k: plan  # type: ignore[assignment]
         yield name.split("-")[0]
     finally:
-        heuristic._earlier_carry, heuristic.BUSY_SHARE = saved
+        heuristic._earlier_carry, heuristic.BUSY_SHARE, heuristic._spread_if_faster = saved
 
 
 def copy_gaps(prof: Any, top: int = 8) -> dict[str, Any]:
@@ -66,12 +75,34 @@ def copy_gaps(prof: Any, top: int = 8) -> dict[str, Any]:
     }
 
 
-def run_variant(wl: Any, name: str, ratio: float, args: argparse.Namespace, dm: Any) -> dict[str, Any]:
+def compute_gaps(prof: Any, top: int = 8, min_us: float = 20.0) -> dict[str, Any]:
+    """Kernels (not copies) of one profiled step: the time no kernel ran between the first and the last, and the
+    largest such gaps with the kernel that ended each (gaps under ``min_us`` are launch spacing, left out)."""
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name
+          and "Memset" not in e.name]
+    ev.sort(key=lambda e: e.time_range.start)
+    if not ev:
+        return {}
+    gaps: list[tuple[float, str]] = []
+    end = ev[0].time_range.end
+    for e in ev[1:]:
+        if e.time_range.start - end >= min_us:
+            gaps.append((e.time_range.start - end, e.name[:60]))
+        end = max(end, e.time_range.end)
+    gaps.sort(reverse=True)
+    span = end - ev[0].time_range.start
+    return {"kernels": len(ev), "span_us": span, "idle_us": sum(g for g, _ in gaps),
+            "largest_idle_us": [{"gap_us": round(g, 1), "before": n} for g, n in gaps[:top]]}
+
+
+def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespace, dm: Any) -> dict[str, Any]:
     """Offload, warm up, time, profile one step; the plan and transfer facts of this variant."""
     call_args, call_kwargs = wl.make_inputs(args.tokens, magi_core.get_backend().device())
     with variant(name) as policy:
         torch._dynamo.reset()
-        m = magi_core.offload(wl.fresh(), OffloadConfig(policy=policy, gpu_resident_weight_ratio=ratio))
+        cfg = OffloadConfig(policy=policy) if ratio is None else OffloadConfig(policy=policy,
+                                                                                gpu_resident_weight_ratio=ratio)
+        m = magi_core.offload(wl.fresh(), cfg)
         with torch.no_grad():
             for _ in range(6):
                 m(*call_args, **call_kwargs)
@@ -100,7 +131,8 @@ def run_variant(wl: Any, name: str, ratio: float, args: argparse.Namespace, dm: 
         "transfer": type(tr).__name__, "buffer_bytes": getattr(tr, "buffer_bytes", None),
         "fallbacks": getattr(tr, "fallbacks", None), "copy_calls": getattr(tr, "copy_calls", None),
         "peak_alloc_bytes": dm.max_memory_allocated(),
-        "copy_stream": copy_gaps(prof),
+        "copy_stream": copy_gaps(prof), "compute_stream": compute_gaps(prof),
+        "device_budget_bytes": rt.device_budget_bytes,
     }
     if args.profiles:
         out["profiles"] = [{"bytes": p.weight_bytes, "compute_ms": round(p.compute_ms, 4), "last_use": p.last_use}
@@ -118,7 +150,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama8b")
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--ratio", type=float, default=0.0)
+    ap.add_argument("--ratio", default="0", help="gpu_resident_weight_ratio, or 'default' (fit the card)")
+    ap.add_argument("--device-memory", default=None, metavar="SIZE", help="cap the device memory first (24GiB)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--variants", default="BASE,HEURISTIC,HEURISTIC-nocarry,HEURISTIC-nobusy")
@@ -127,6 +160,8 @@ def main() -> None:
     args = ap.parse_args()
     be = magi_core.get_backend()
     dm = be.device_module
+    cap = limit_device_memory(args.device_memory, backend=be) if args.device_memory else None
+    ratio = None if args.ratio == "default" else float(args.ratio)
     accel = be.is_accelerator
     if args.model in REAL_WORKLOADS:
         wl = real_workload(args.model, torch.bfloat16 if accel else torch.float32, "full" if accel else "tiny",
@@ -134,13 +169,12 @@ def main() -> None:
         wl.materialize_base()
     else:
         wl = probe_workload(args.model, accel, args.layers)
-    runs = [run_variant(wl, v, args.ratio, args, dm) for v in args.variants.split(",")]
+    runs = [run_variant(wl, v, ratio, args, dm) for v in args.variants.split(",")]
     hardware = dm.get_device_name() if accel and hasattr(dm, "get_device_name") else platform.processor()
     emit_json({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "hardware": hardware,
                "torch": torch.__version__, "magi_core": magi_core.__version__, "model": args.model,
-               "tokens": args.tokens, "ratio": args.ratio, "runs": runs,
-               "command": f"python benchmarks/plan_probe.py --model {args.model} --tokens {args.tokens} "
-                          f"--ratio {args.ratio}"}, args.out)
+               "tokens": args.tokens, "ratio": ratio, "device_memory": args.device_memory, "cap_bytes": cap,
+               "runs": runs, "command": "python benchmarks/plan_probe.py " + " ".join(sys.argv[1:])}, args.out)
 
 
 if __name__ == "__main__":
