@@ -39,7 +39,7 @@ from magi_core.plan.common import (
 from magi_core.plan.contract import STEP_START, Plan, UnitProfile
 from magi_core.plan.lookahead import lookahead_plan
 from magi_core.plan.simulate import SimResult, simulate, transfer_ms
-from magi_core.plan.spread import spread_residencies
+from magi_core.plan.spread import SLACKS, proportional_residency, spread_residencies
 
 if TYPE_CHECKING:
     from magi_core.config import OffloadConfig
@@ -361,7 +361,8 @@ def _spread_if_faster(
     budget: int | None, for_residency: Callable[[frozenset[int]], Plan], screen: Callable[[frozenset[int]], Plan],
 ) -> Plan:
     """``plan``, or a plan holding the same bytes resident with the streamed blocks of each size spread along the
-    step (:func:`~magi_core.plan.spread.spread_residencies`) when that is faster, or as fast in less memory.
+    step (:func:`~magi_core.plan.spread.spread_residencies`), or at most as many with streamed bytes in step with
+    compute (:func:`~magi_core.plan.spread.proportional_residency`), when that is faster, or as fast in less memory.
 
     Only a plan that stalls (a step at its compute or at its copies cannot get shorter) or holds more than two
     streamed units in flight is looked at. The spread sets are ranked by ``screen`` (a plan cheap to build: the
@@ -379,8 +380,11 @@ def _spread_if_faster(
     peak = plan.notes["peak_device_bytes"]
     if not stalls and peak <= plan.notes["resident_bytes"] + two:
         return plan
-    ranked = sorted((screen(r).predicted_step_ms, i, r)
-                    for i, r in enumerate(spread_residencies(profiles, plan.resident)))
+    cap = int(plan.notes["resident_bytes"])
+    sets = [*spread_residencies(profiles, plan.resident),
+            *(proportional_residency(profiles, cap, slack) for slack in SLACKS)]
+    ranked = sorted((screen(r).predicted_step_ms, i, r) for i, r in enumerate(dict.fromkeys(sets))
+                    if r != plan.resident)
     if not ranked or ranked[0][0] > screen(plan.resident).predicted_step_ms * (1 + 1e-9) + 1e-9:
         return plan
     candidate = for_residency(ranked[0][2])

@@ -5,7 +5,9 @@ wherever its ranking ends: often side by side at the end of the step. Copies in 
 budget (the copy buffer holds one or two units), so side-by-side streamed blocks wait for each other's copies
 while most of the step's compute ran with the link idle. Keeping the same number of each size of unit
 resident but streaming blocks spread evenly along the step's compute time gives every copy the compute of the
-resident blocks before it, at the same resident bytes.
+resident blocks before it, at the same resident bytes. Where stacks of different sizes share the step (a
+dual-stream DiT's double and single blocks), keeping the counts per size can leave one stack streaming more than its
+compute hides; :func:`proportional_residency` instead streams bytes in step with compute time, across sizes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from magi_core.plan.contract import UnitProfile
+
+#: How far (in units of the unit's own bytes) :func:`proportional_residency` may run ahead of its line.
+SLACKS = (0.5, 1.0)
 
 #: Offsets of the evenly spaced positions within their spacing (a streamed block every ``span / k``) that
 #: :func:`spread_residencies` tries: which one suits a step depends on the compute before the stack.
@@ -69,3 +74,28 @@ def _spread(group: list[int], k: int, starts: Sequence[float], phase: float) -> 
         free = [u for u in group if u not in chosen]
         chosen.add(min(free, key=lambda u: (abs(pos[u] - target), u)))
     return chosen
+
+
+def proportional_residency(profiles: Sequence[UnitProfile], cap: int, slack: float) -> frozenset[int]:
+    """A resident set of at most ``cap`` bytes whose streamed bytes follow the step's compute time: walking the units
+    in order, a unit streams when the bytes streamed so far, its own included, stay within the share of the bytes
+    that must stream (all less ``cap``) that the compute up to its end reaches, plus ``slack`` times its own bytes;
+    what is still short at the end streams from the last units back."""
+    total = sum(p.weight_bytes for p in profiles)
+    must = total - cap
+    compute = sum(p.compute_ms for p in profiles)
+    streamed: set[int] = set()
+    done, t = 0, 0.0
+    for r, p in enumerate(profiles):
+        t += p.compute_ms
+        share = t / compute if compute > 0 else (r + 1) / len(profiles)
+        if p.weight_bytes and done < must and done + p.weight_bytes <= must * share + slack * p.weight_bytes:
+            streamed.add(p.index)
+            done += p.weight_bytes
+    for p in reversed(profiles):
+        if done >= must:
+            break
+        if p.weight_bytes and p.index not in streamed:
+            streamed.add(p.index)
+            done += p.weight_bytes
+    return frozenset(p.index for p in profiles if p.weight_bytes and p.index not in streamed)

@@ -473,6 +473,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if not stalls:\n",
         (("core", ("tests/plan/test_spread.py",)),),
     ),
+    Mutation(
+        "au", "plan: stacks of different sizes keep their streamed counts per size (a dual-stream DiT streams only "
+        "single blocks, more copy time in their half of the step than it computes)",
+        "magi_core/plan/heuristic.py",
+        "            *(proportional_residency(profiles, cap, slack) for slack in SLACKS)]",
+        "]",
+        (("core", ("tests/plan/test_spread.py",)),),
+    ),
 )
 
 
