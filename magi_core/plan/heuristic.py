@@ -15,6 +15,10 @@ is look-ahead 1, two units on the device). Under ``device_memory_budget_bytes`` 
 fit is rebuilt with copies at most ``lookahead`` streamed units ahead (same step time as look-ahead, later
 triggers), before residency is reduced; then a few units less resident are tried too, and the plan predicted
 fastest is kept (less resident can leave room for copies to run ahead of a balanced step).
+
+Where the resident set leaves streamed blocks side by side (the plan stalls, or hides its copies only by queueing
+them several units ahead), sets with the streamed blocks spread along the step are planned too
+(:mod:`magi_core.plan.spread`) and kept when faster, or as fast in less memory.
 """
 
 from __future__ import annotations
