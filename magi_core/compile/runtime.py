@@ -557,16 +557,20 @@ class OffloadRuntime:
         def holds(plan: Plan) -> int:
             return self._holds(plan, args, held)
 
+        streamed_plans: list[Plan] | None = None
+
         def streaming() -> list[Plan]:
             """Plans keeping nothing resident but what the peers hold: the policy's own (no budget: its copies
-            as far ahead as pays), then the look-ahead plan (the fewest copies in flight)."""
-            plans = []
-            for cfg in (config.replace(device_memory_budget_bytes=None, gpu_resident_weight_ratio=0.0),
-                        config.replace(policy=Policy.BASE, device_memory_budget_bytes=None,
-                                       gpu_resident_weight_ratio=0.0)):
-                with contextlib.suppress(ConfigError):
-                    plans.append(self._plan(profiles, bandwidth_Bps, cfg, shared))
-            return plans
+            as far ahead as pays), then the look-ahead plan (the fewest copies in flight); planned once."""
+            nonlocal streamed_plans
+            if streamed_plans is None:
+                streamed_plans = []
+                for cfg in (config.replace(device_memory_budget_bytes=None, gpu_resident_weight_ratio=0.0),
+                            config.replace(policy=Policy.BASE, device_memory_budget_bytes=None,
+                                           gpu_resident_weight_ratio=0.0)):
+                    with contextlib.suppress(ConfigError):
+                        streamed_plans.append(self._plan(profiles, bandwidth_Bps, cfg, shared))
+            return streamed_plans
 
         def stream_fit() -> Plan | None:
             """The first streaming plan that fits the limit."""

@@ -341,8 +341,12 @@ class HeuristicScheduler:
                 built[resident] = plan
             return plan
 
+        screened: dict[frozenset[int], Plan] = {}
+
         def screen(resident: frozenset[int]) -> Plan:
-            return heuristic_plan(profiles, resident, bw, margin, self.name, window=config.lookahead)
+            if resident not in screened:
+                screened[resident] = heuristic_plan(profiles, resident, bw, margin, self.name, window=config.lookahead)
+            return screened[resident]
 
         def build(cap: int) -> Plan:
             needed = stall_removing_set(profiles, cap, bw)
