@@ -150,10 +150,11 @@ if [ "$what" = split-cost ]; then  # what the unit split itself costs, apart fro
   # resident step, magi-core at ratio 1 compiled whole (one unit), at ratio 1 split into blocks (max_unit_bytes set:
   # every unit resident, nothing streamed) and the default config on the whole card; SESSION_SPLIT_MODELS narrows it
   for m in ${SESSION_SPLIT_MODELS:-flux llama8b}; do
-    python3 -m magi_core bench --models "$m" --systems resident_compiled,magi --magi-default --policies HEURISTIC \
+    case $m in flux) t=4096;; wan14b) t=2184;; *) t=2048;; esac  # the cap grid's token counts, one per model
+    python3 -m magi_core bench --models "$m" --tokens "$t" --systems resident_compiled,magi --magi-default --policies HEURISTIC \
       --ratios 1 --budgets "" --no-overhead-probe --no-host-timing --steps 5 --time-budget 0 \
       --out "$OUT/split-cost-$m-whole.json" > "$OUT/split-cost-$m-whole.log" 2>&1 || rc=1
-    MAGI_OFFLOAD_MAX_UNIT_BYTES=256MiB python3 -m magi_core bench --models "$m" --systems magi --policies HEURISTIC \
+    MAGI_OFFLOAD_MAX_UNIT_BYTES=256MiB python3 -m magi_core bench --models "$m" --tokens "$t" --systems magi --policies HEURISTIC \
       --ratios 1 --budgets "" --no-overhead-probe --no-host-timing --steps 5 --time-budget 0 \
       --out "$OUT/split-cost-$m-split.json" > "$OUT/split-cost-$m-split.log" 2>&1 || rc=1
     tail -n 6 "$OUT/split-cost-$m-whole.log" "$OUT/split-cost-$m-split.log"
@@ -163,11 +164,10 @@ if [ "$what" = plan-probe ]; then  # why the default config runs slower than its
   # each case a process of its own (the cap applies from the first allocation); plan, copy and compute gaps
   while read -r m tokens cap; do
     python3 benchmarks/plan_probe.py --model "$m" --tokens "$tokens" --ratio default ${cap:+--device-memory "$cap"} \
-      --variants HEURISTIC,HEURISTIC-nospread --steps 5 --profiles --out "$OUT/plan-probe-$m-${cap:-whole}.json" \
+      --variants "${SESSION_PLAN_VARIANTS:-HEURISTIC,HEURISTIC-notrim}" --steps 5 --profiles --out "$OUT/plan-probe-$m-${cap:-whole}.json" \
       > "$OUT/plan-probe-$m-${cap:-whole}.log" 2>&1 || rc=1
-  done <<< "${SESSION_PLAN_PROBES:-llama8b 2048 16GiB
-flux 4096 24GiB
-flux 4096 }"
+  done <<< "${SESSION_PLAN_PROBES:-flux 4096 
+flux 4096 24GiB}"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1

@@ -11,9 +11,11 @@ transfer's buffer bytes and fallbacks, and from one profiled step the copy strea
 largest gaps (which copy waited, after what), and the compute kernels' idle time (a step that waits for copies
 or for the host shows it there). Variants ``HEURISTIC-nocarry``, ``HEURISTIC-nobusy`` and ``HEURISTIC-nospread``
 switch off the cross-call carry search, the busy-copy-stream rule and the spreading of streamed blocks of
-:mod:`magi_core.plan.heuristic` for that run only. ``--ratio default`` plans as ``OffloadConfig()`` does (fit the
-card, the policy of the variant); ``--device-memory`` caps the process's device memory first, as
-``magi bench --device-memory`` does. Diagnostics: nothing is asserted; results JSON with hardware and date.
+:mod:`magi_core.plan.heuristic` for that run only; ``HEURISTIC-notrim`` keeps the fastest plan that fits the card
+as it is (no trimming of resident weights its predicted step does not need). ``--ratio default`` plans as
+``OffloadConfig()`` does (fit the card, the policy of the variant); ``--device-memory`` caps the process's device
+memory first, as ``magi bench --device-memory`` does. Diagnostics: nothing is asserted; results JSON with hardware
+and date.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from magi_core import OffloadConfig
 from magi_core.api import handle, release
 from magi_core.bench.real import REAL_WORKLOADS, real_workload
 from magi_core.bench.workloads import probe_workload
+from magi_core.compile.runtime import OffloadRuntime
 from magi_core.plan import heuristic
 from magi_core.plugin.device_limit import limit_device_memory
 
@@ -44,6 +47,7 @@ from magi_core.plugin.device_limit import limit_device_memory
 def variant(name: str) -> Iterator[str]:
     """Patch :mod:`magi_core.plan.heuristic` for a HEURISTIC variant; yields the policy to configure."""
     saved = (heuristic._earlier_carry, heuristic.BUSY_SHARE, heuristic._spread_if_faster)
+    least_memory = OffloadRuntime._least_memory
     try:
         if name == "HEURISTIC-nocarry":
             heuristic._earlier_carry = lambda plan, *a, **k: plan  # type: ignore[assignment]
@@ -51,9 +55,12 @@ def variant(name: str) -> Iterator[str]:
             heuristic.BUSY_SHARE = float("inf")
         elif name == "HEURISTIC-nospread":
             heuristic._spread_if_faster = lambda plan, *a, **k: plan  # type: ignore[assignment]
+        elif name == "HEURISTIC-notrim":
+            OffloadRuntime._least_memory = lambda self, fastest, *a, **k: fastest  # type: ignore[method-assign]
         yield name.split("-")[0]
     finally:
         heuristic._earlier_carry, heuristic.BUSY_SHARE, heuristic._spread_if_faster = saved
+        OffloadRuntime._least_memory = least_memory  # type: ignore[method-assign]
 
 
 def copy_gaps(prof: Any, top: int = 8) -> dict[str, Any]:
