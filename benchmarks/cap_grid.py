@@ -144,6 +144,7 @@ def run_row(row: dict[str, Any], args: argparse.Namespace, work: Path, timeout: 
     cmd = bench_command(row, args, part)
     out = {k: row[k] for k in ("key", "model", "tokens", "cap", "system")}
     out["cap_bytes"] = cap_bytes(row["cap"])
+    out["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")  # rows of one grid span sessions
     out["command"] = " ".join("''" if not a else a for a in ["python", *cmd[1:]])
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -247,6 +248,7 @@ def save(doc: dict[str, Any], path: Path) -> None:
     """Derive, then write the document atomically."""
     _sync_env(doc)
     derive(doc)
+    doc["dates"] = sorted({str(r["date"])[:10] for r in doc["rows"] if r.get("date")} | {str(doc["date"])[:10]})
     doc["complete"] = not doc["remaining"]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")

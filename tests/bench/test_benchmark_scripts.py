@@ -136,6 +136,7 @@ def test_cap_grid_runs_each_row_in_its_own_process_and_resumes(tmp_path: Path) -
     doc = json.loads(out.read_text())
     rows = {r["cap"]: r for r in doc["rows"]}
     assert doc["kind"] == "cap-grid" and doc["complete"] and doc["remaining"] == []
+    assert all(r["date"][:10] in doc["dates"] for r in doc["rows"]) and doc["dates"] == sorted(doc["dates"])
     assert rows["none"]["status"] == "ok" and rows["none"]["step_ms"] > 0
     assert rows["none"]["label"] == "magi HEURISTIC r=0"
     assert rows["none"]["streamed_bytes"] >= rows["none"]["weight_bytes"] > 0 and rows["none"]["ideal_ms"] > 0
