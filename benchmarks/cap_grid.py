@@ -256,6 +256,15 @@ def save(doc: dict[str, Any], path: Path) -> None:
     tmp.replace(path)
 
 
+def widen(doc: dict[str, Any], before: dict[str, Any]) -> None:
+    """The grid of a resumed run is the earlier run's and this one's together: models, caps, systems and token
+    counts (this call's count where both name a model), so that a call narrowed to some of them keeps the others
+    in the document, its plot and what remains."""
+    for key in ("models", "caps", "systems"):
+        doc[key] = list(dict.fromkeys([*before.get(key, []), *doc[key]]))
+    doc["tokens"] = {**before.get("tokens", {}), **doc["tokens"]}
+
+
 def merge_rows(doc: dict[str, Any], previous: Iterable[dict[str, Any]], retry_failed: bool,
                rerun: Sequence[str] = ()) -> set[str]:
     """Keep the rows of an earlier run of the grid, but failed ones with ``retry_failed`` and those whose key
@@ -284,10 +293,14 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
                           [p for p in (args.rerun or "").split(",") if p])
         doc["commands"] = list(before.get("commands", []))
         doc["date"] = before.get("date", doc["date"])
+        widen(doc, before)
         logger.info("resuming from %s: %d rows done", resume, len(done))
     doc["commands"].append("python benchmarks/cap_grid.py " + " ".join(sys.argv[1:]))
     todo = [r for r in planned if r["key"] not in done]
-    doc["remaining"] = [r["key"] for r in todo]
+    # what the whole grid still lacks, this call's rows first (a call narrowed to some models runs only theirs)
+    grid = plan_rows(doc["models"], doc["caps"], doc["systems"], doc["tokens"], not args.no_resident)
+    keys = [r["key"] for r in todo]
+    doc["remaining"] = keys + [r["key"] for r in grid if r["key"] not in done and r["key"] not in set(keys)]
     start = time.perf_counter()
     longest: dict[str, float] = {}
     for r in doc["rows"]:
@@ -366,7 +379,9 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
         ax.set_title(f"{model}, {doc['tokens'].get(model)} tokens")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"cap grid on {doc.get('hardware') or '?'} ({doc.get('date', '')[:10]})")
+    days = doc.get("dates") or [str(doc.get("date", ""))[:10]]
+    when = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+    fig.suptitle(f"cap grid on {doc.get('hardware') or '?'} ({when})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -222,6 +222,35 @@ def test_cap_grid_resume_runs_again_only_the_rows_asked_for(tmp_path: Path, monk
     assert sorted(calls) == ["flux/4096/16GiB/magi_r0", "flux/4096/none/magi_r0"]
 
 
+def test_cap_grid_call_narrowed_to_one_model_keeps_the_whole_grid(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call resumed with ``--models flux`` runs only flux rows, but the document still holds llama8b (models,
+    caps, systems, token counts) and lists its rows not yet run as remaining: the plot and the next call see
+    the whole grid."""
+    grid = _cap_grid_module()
+    old = {"models": ["llama8b", "flux"], "caps": ["12GiB", "none"], "systems": ["magi_r0", "diffusers"],
+           "tokens": {"llama8b": 2048, "flux": 4096}, "commands": ["first"], "date": "2026-12-03",
+           "rows": [{"key": "llama8b/2048/none/magi_r0", "model": "llama8b", "tokens": 2048, "cap": "none",
+                     "system": "magi_r0", "status": "ok", "step_ms": 1.0, "wall_s": 1.0}]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    calls: list[str] = []
+    monkeypatch.setattr(grid, "run_row", lambda row, *a: calls.append(row["key"]) or {
+        **row, "status": "ok", "step_ms": 2.0, "wall_s": 1.0, "date": "2026-12-04T10:00:00+00:00"})
+    ns = grid.argparse.Namespace(models=["flux"], caps=["none"], systems=["magi_r0"], tokens=dict(grid.TOKENS),
+                                 no_resident=True, resume=tmp_path / "old.json", out=tmp_path / "new.json",
+                                 time_budget=0.0, worker_timeout=60.0, steps=3, dtype="bf16", retry_failed=False,
+                                 rerun=None)
+    doc = grid.run_grid(ns)
+    assert calls == ["flux/4096/none/magi_r0"]
+    assert doc["models"] == ["llama8b", "flux"] and doc["caps"] == ["12GiB", "none"]
+    assert doc["systems"] == ["magi_r0", "diffusers"] and doc["tokens"] == {"llama8b": 2048, "flux": 4096}
+    assert sorted(doc["remaining"]) == sorted(["llama8b/2048/12GiB/magi_r0", "llama8b/2048/12GiB/diffusers",
+                                               "llama8b/2048/none/diffusers", "flux/4096/12GiB/magi_r0",
+                                               "flux/4096/12GiB/diffusers", "flux/4096/none/diffusers"])
+    assert not doc["complete"] and doc["dates"] == ["2026-12-03", "2026-12-04"]
+    assert json.loads((tmp_path / "new.json").read_text())["remaining"] == doc["remaining"]
+
+
 def test_cap_grid_report_section_and_plot(tmp_path: Path) -> None:
     """The benchmarks page gets a table per model (a column per card size); the plot a panel per model."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
