@@ -12,10 +12,11 @@ largest gaps (which copy waited, after what), and the compute kernels' idle time
 or for the host shows it there). Variants ``HEURISTIC-nocarry``, ``HEURISTIC-nobusy`` and ``HEURISTIC-nospread``
 switch off the cross-call carry search, the busy-copy-stream rule and the spreading of streamed blocks of
 :mod:`magi_core.plan.heuristic` for that run only; ``HEURISTIC-notrim`` keeps the fastest plan that fits the card
-as it is (no trimming of resident weights its predicted step does not need). ``--ratio default`` plans as
-``OffloadConfig()`` does (fit the card, the policy of the variant); ``--device-memory`` caps the process's device
-memory first, as ``magi bench --device-memory`` does. Diagnostics: nothing is asserted; results JSON with hardware
-and date.
+as it is (no trimming of resident weights its predicted step does not need). ``NAME@RATIO`` runs a variant at
+another ratio: ``HEURISTIC@1`` is the whole graph compiled as one unit, next to the split plans of the same
+process. ``--ratio default`` plans as ``OffloadConfig()`` does (fit the card, the policy of the variant);
+``--device-memory`` caps the process's device memory first, as ``magi bench --device-memory`` does. Diagnostics:
+nothing is asserted; results JSON with hardware and date.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def compute_gaps(prof: Any, top: int = 8, min_us: float = 20.0) -> dict[str, Any
 def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespace, dm: Any) -> dict[str, Any]:
     """Offload, warm up, time, profile one step; the plan and transfer facts of this variant."""
     call_args, call_kwargs = wl.make_inputs(args.tokens, magi_core.get_backend().device())
+    name, _, at = name.partition("@")  # NAME@RATIO: this variant at another gpu_resident_weight_ratio
+    ratio = float(at) if at else ratio
     with variant(name) as policy:
         torch._dynamo.reset()
         cfg = OffloadConfig(policy=policy) if ratio is None else OffloadConfig(policy=policy,
@@ -128,7 +131,8 @@ def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespac
     plan = rt.plan
     tr = rt.executor.transfer
     out = {
-        "variant": name, "ratio": ratio, "step_ms": statistics.median(times), "steps_ms": times,
+        "variant": name + (f"@{at}" if at else ""), "ratio": ratio, "units": rt.executor.n_units,
+        "step_ms": statistics.median(times), "steps_ms": times,
         "predicted_step_ms": plan.predicted_step_ms,
         "plan": {"resident": sorted(plan.resident), "next_step": list(plan.next_step),
                  "next_step_at": plan.next_step_at,
