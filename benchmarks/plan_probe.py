@@ -5,18 +5,19 @@ stream's gaps.
     python benchmarks/plan_probe.py --model flux --tokens 4096 --ratio default --device-memory 24GiB \
         --variants HEURISTIC,HEURISTIC-nospread --out plan_probe.json
 
-For each variant: ``magi_core.offload`` a fresh model, warm it up, time ``--steps`` calls (median), and record
-the plan (resident units, copy positions, next-step carry), the unit profiles it was built from, the unit
-transfer's buffer bytes and fallbacks, and from one profiled step the copy stream's busy share and its
-largest gaps (which copy waited, after what), and the compute kernels' idle time (a step that waits for copies
-or for the host shows it there). Variants ``HEURISTIC-nocarry``, ``HEURISTIC-nobusy`` and ``HEURISTIC-nospread``
-switch off the cross-call carry search, the busy-copy-stream rule and the spreading of streamed blocks of
-:mod:`magi_core.plan.heuristic` for that run only; ``HEURISTIC-notrim`` keeps the fastest plan that fits the card
-as it is (no trimming of resident weights its predicted step does not need). ``NAME@RATIO`` runs a variant at
-another ratio: ``HEURISTIC@1`` is the whole graph compiled as one unit, next to the split plans of the same
-process. ``--ratio default`` plans as ``OffloadConfig()`` does (fit the card, the policy of the variant);
-``--device-memory`` caps the process's device memory first, as ``magi bench --device-memory`` does. Diagnostics:
-nothing is asserted; results JSON with hardware and date.
+For each variant: ``magi_core.offload`` a fresh model, warm it up, time ``--steps`` calls (median), and record the
+plan (resident units, copy positions, next-step carry), the unit profiles it was built from, the unit transfer's
+buffer bytes and fallbacks, and from one profiled step the copy stream's busy share and its largest gaps (which copy
+waited, after what), and the compute kernels' idle time (a step that waits for copies or for the host shows it
+there). Variants ``HEURISTIC-nocarry``, ``HEURISTIC-nobusy`` and ``HEURISTIC-nospread`` switch off the cross-call
+carry search, the busy-copy-stream rule and the spreading of streamed blocks of :mod:`magi_core.plan.heuristic` for
+that run only; ``HEURISTIC-notrim`` keeps the fastest plan that fits the card as it is (no trimming of resident
+weights its predicted step does not need). ``NAME@RATIO`` runs a variant at another ratio: ``HEURISTIC@1`` is the
+whole graph compiled as one unit, next to the split plans of the same process; ``NAME#SIZE`` splits with
+``max_unit_bytes=SIZE`` (consecutive blocks joined while they fit), e.g. ``HEURISTIC-notrim#2GiB``: fewer unit
+boundaries, the same resident weights. ``--ratio default`` plans as ``OffloadConfig()`` does (fit the card, the
+policy of the variant); ``--device-memory`` caps the process's device memory first, as ``magi bench
+--device-memory`` does. Diagnostics: nothing is asserted; results JSON with hardware and date.
 """
 
 from __future__ import annotations
@@ -106,12 +107,13 @@ def compute_gaps(prof: Any, top: int = 8, min_us: float = 20.0) -> dict[str, Any
 def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespace, dm: Any) -> dict[str, Any]:
     """Offload, warm up, time, profile one step; the plan and transfer facts of this variant."""
     call_args, call_kwargs = wl.make_inputs(args.tokens, magi_core.get_backend().device())
+    label = name
+    name, _, unit_cap = name.partition("#")  # NAME#SIZE: units of whole blocks up to SIZE (max_unit_bytes)
     name, _, at = name.partition("@")  # NAME@RATIO: this variant at another gpu_resident_weight_ratio
     ratio = float(at) if at else ratio
     with variant(name) as policy:
         torch._dynamo.reset()
-        cfg = OffloadConfig(policy=policy) if ratio is None else OffloadConfig(policy=policy,
-                                                                                gpu_resident_weight_ratio=ratio)
+        cfg = OffloadConfig(policy=policy, gpu_resident_weight_ratio=ratio, max_unit_bytes=unit_cap or None)
         m = magi_core.offload(wl.fresh(), cfg)
         with torch.no_grad():
             for _ in range(6):
@@ -131,7 +133,7 @@ def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespac
     plan = rt.plan
     tr = rt.executor.transfer
     out = {
-        "variant": name + (f"@{at}" if at else ""), "ratio": ratio, "units": rt.executor.n_units,
+        "variant": label, "ratio": ratio, "units": rt.executor.n_units,
         "step_ms": statistics.median(times), "steps_ms": times,
         "predicted_step_ms": plan.predicted_step_ms,
         "plan": {"resident": sorted(plan.resident), "next_step": list(plan.next_step),
