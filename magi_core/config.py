@@ -142,8 +142,8 @@ class OffloadConfig:
     second profiles). Byte sizes (``max_unit_bytes``, ``bandwidth_probe_bytes``, ``device_memory_budget_bytes``)
     take an int or a size such as ``"512MiB"`` or ``"2GB"``, parsed as the environment's are.
     ``max_unit_bytes``: split units whose weights exceed this many bytes, and merge consecutive
-    blocks up to it (None: automatic, the largest block's weight bytes, or 256 MiB in a graph without repeated
-    blocks; see :mod:`magi_core.passes.split`).
+    blocks of one stack up to it (None: automatic, every block its own unit and other code cut at the largest
+    block's weight bytes, or 256 MiB in a graph without repeated blocks; see :mod:`magi_core.passes.split`).
     ``bandwidth_probe_bytes``: size of the H2D bandwidth probe (None: 1 GiB on accelerators, 16 MiB on CPU).
     ``direct_unit_calls``: call each Inductor unit's generated code without the Dynamo / AOT wrapper layers
     (verified per unit on its first call, see :func:`magi_core.execute.unit_compile.direct_call`); False
