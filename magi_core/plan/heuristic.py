@@ -144,7 +144,7 @@ def heuristic_plan(
                 return plain  # at the bound already: the rule cannot pay for its copies in flight
             plan = _trigger_plan(profiles, resident, bandwidth_Bps, margin_ms, policy, window, fast_bandwidth_Bps,
                                  carry_search, busy=True)
-            if (plain.predicted_step_ms <= plan.predicted_step_ms * (1 + 1e-9) + 1e-9
+            if (_no_longer(plain.predicted_step_ms, plan.predicted_step_ms)
                     and simulate(plan, profiles, fast_bandwidth_Bps).step_ms > plain_fast * (1 - _FAST_GAIN)):
                 return plain
             return plan
@@ -257,9 +257,9 @@ def _earlier_carry(plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: f
                 step = simulate(draft, profiles, bandwidth_Bps).step_ms
             except ValueError:
                 continue
-            shorter = step < best.predicted_step_ms * (1 - 1e-9) - 1e-9
+            shorter = _shorter(step, best.predicted_step_ms)
             if shorter or (fast_bandwidth_Bps and best_fast > floor * (1 + _FAST_GAIN)
-                           and step <= best.predicted_step_ms * (1 + 1e-9) + 1e-9
+                           and _no_longer(step, best.predicted_step_ms)
                            and fast_step(draft) < best_fast * (1 - _FAST_GAIN)):
                 candidate = assemble(plan.policy, profiles, plan.resident, draft.prefetch_at, carried, bandwidth_Bps,
                                      {"margin_ms": margin_ms}, next_step_at=p)
@@ -364,6 +364,16 @@ class HeuristicScheduler:
         return plan if budget is None else _trade_residency_for_copies(plan, profiles, budget, build)
 
 
+def _shorter(a_ms: float, b_ms: float) -> bool:
+    """``a_ms`` is shorter than ``b_ms`` by more than float noise."""
+    return a_ms < b_ms * (1 - 1e-9) - 1e-9
+
+
+def _no_longer(a_ms: float, b_ms: float) -> bool:
+    """``a_ms`` is at most ``b_ms``, within float noise."""
+    return a_ms <= b_ms * (1 + 1e-9) + 1e-9
+
+
 def _spread_if_faster(
     plan: Plan, profiles: Sequence[UnitProfile], bandwidth_Bps: float, fast_bandwidth_Bps: float,
     budget: int | None, for_residency: Callable[[frozenset[int]], Plan], screen: Callable[[frozenset[int]], Plan],
@@ -393,14 +403,14 @@ def _spread_if_faster(
             *(proportional_residency(profiles, cap, slack) for slack in SLACKS)]
     ranked = sorted((screen(r).predicted_step_ms, i, r) for i, r in enumerate(dict.fromkeys(sets))
                     if r != plan.resident)
-    if not ranked or ranked[0][0] > screen(plan.resident).predicted_step_ms * (1 + 1e-9) + 1e-9:
+    if not ranked or not _no_longer(ranked[0][0], screen(plan.resident).predicted_step_ms):
         return plan
     candidate = for_residency(ranked[0][2])
     if candidate.notes["peak_device_bytes"] > (budget if budget is not None else peak):
         return plan
-    if candidate.predicted_step_ms < plan.predicted_step_ms * (1 - 1e-9) - 1e-9:
+    if _shorter(candidate.predicted_step_ms, plan.predicted_step_ms):
         return candidate
-    if candidate.predicted_step_ms > plan.predicted_step_ms * (1 + 1e-9) + 1e-9:
+    if not _no_longer(candidate.predicted_step_ms, plan.predicted_step_ms):
         return plan
     fast, fast_plan = (simulate(p, profiles, fast_bandwidth_Bps).step_ms for p in (candidate, plan))
     if fast < fast_plan * (1 - _FAST_GAIN):

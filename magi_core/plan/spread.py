@@ -26,10 +26,10 @@ PHASES = (1.0, 0.5, 0.25, 0.75)
 
 def spread_residencies(
     profiles: Sequence[UnitProfile], resident: frozenset[int], keep: Iterable[int] = (),
-    phases: Sequence[float] = PHASES,
 ) -> list[frozenset[int]]:
     """Resident sets holding what ``resident`` holds, with each group of same-size units streamed at evenly
-    spaced points of the step's compute time (one set per phase, those equal to ``resident`` left out).
+    spaced points of the step's compute time (one set per phase of :data:`PHASES`, those equal to ``resident``
+    left out).
 
     Units of equal ``weight_bytes`` are interchangeable for memory: a group of at least two of them, some
     resident and some streamed, streams the same number at the positions nearest to ``start + span * (m +
@@ -48,7 +48,7 @@ def spread_residencies(
             groups.setdefault(p.weight_bytes, []).append(p.index)
     mixed = [g for g in groups.values() if len(g) >= 2 and 0 < sum(u not in resident for u in g) < len(g)]
     out: list[frozenset[int]] = []
-    for phase in phases:
+    for phase in PHASES:
         alt = set(resident)
         for group in mixed:
             streamed = _spread(group, sum(u not in resident for u in group), starts, phase)

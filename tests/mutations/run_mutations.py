@@ -461,7 +461,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "as", "plan: spreading streamed blocks takes the spread plan even where it is slower",
         "magi_core/plan/heuristic.py",
-        "    if candidate.predicted_step_ms < plan.predicted_step_ms * (1 - 1e-9) - 1e-9:\n        return candidate\n",
+        "    if _shorter(candidate.predicted_step_ms, plan.predicted_step_ms):\n        return candidate\n",
         "    return candidate\n",
         (("core", ("tests/plan/test_spread.py",)),),
     ),
