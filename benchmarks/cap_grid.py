@@ -300,7 +300,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     # what the whole grid still lacks, this call's rows first (a call narrowed to some models runs only theirs)
     grid = plan_rows(doc["models"], doc["caps"], doc["systems"], doc["tokens"], not args.no_resident)
     keys = [r["key"] for r in todo]
-    doc["remaining"] = keys + [r["key"] for r in grid if r["key"] not in done and r["key"] not in set(keys)]
+    skip = done | set(keys)
+    doc["remaining"] = keys + [r["key"] for r in grid if r["key"] not in skip]
     start = time.perf_counter()
     longest: dict[str, float] = {}
     for r in doc["rows"]:
