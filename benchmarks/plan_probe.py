@@ -15,9 +15,11 @@ that run only; ``HEURISTIC-notrim`` keeps the fastest plan that fits the card as
 weights its predicted step does not need). ``NAME@RATIO`` runs a variant at another ratio: ``HEURISTIC@1`` is the
 whole graph compiled as one unit, next to the split plans of the same process; ``NAME#SIZE`` splits with
 ``max_unit_bytes=SIZE`` (consecutive blocks joined while they fit), e.g. ``HEURISTIC-notrim#2GiB``: fewer unit
-boundaries, the same resident weights. ``--ratio default`` plans as ``OffloadConfig()`` does (fit the card, the
-policy of the variant); ``--device-memory`` caps the process's device memory first, as ``magi bench
---device-memory`` does. Diagnostics: nothing is asserted; results JSON with hardware and date.
+boundaries, the same resident weights. ``resident`` is the whole model on the device, ``torch.compile``'d (the
+compute ideal, measured in the same process). Timed steps run with the garbage collector off. ``--ratio default``
+plans as ``OffloadConfig()`` does (fit the card, the policy of the variant); ``--device-memory`` caps the process's
+device memory first, as ``magi bench --device-memory`` does. Diagnostics: nothing is asserted; results JSON with
+hardware and date.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import platform
 import statistics
 import sys
@@ -113,22 +116,39 @@ def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespac
     ratio = float(at) if at else ratio
     with variant(name) as policy:
         torch._dynamo.reset()
-        cfg = OffloadConfig(policy=policy, gpu_resident_weight_ratio=ratio, max_unit_bytes=unit_cap or None)
-        m = magi_core.offload(wl.fresh(), cfg)
+        if name == "resident":  # the whole model on the device, torch.compile'd: the compute ideal, same process
+            m = torch.compile(wl.fresh().to(magi_core.get_backend().device()), dynamic=False)
+        else:
+            cfg = OffloadConfig(policy=policy, gpu_resident_weight_ratio=ratio, max_unit_bytes=unit_cap or None)
+            m = magi_core.offload(wl.fresh(), cfg)
         with torch.no_grad():
             for _ in range(6):
                 m(*call_args, **call_kwargs)
             dm.synchronize()
             times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                m(*call_args, **call_kwargs)
-                dm.synchronize()
-                times.append((time.perf_counter() - t0) * 1e3)
+            gc.collect()
+            gc.disable()  # a collection inside a timed step is noise of the process, not of the plan
+            try:
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    m(*call_args, **call_kwargs)
+                    dm.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+            finally:
+                gc.enable()
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 m(*call_args, **call_kwargs)
                 dm.synchronize()
+    if name == "resident":
+        out: dict[str, Any] = {"variant": label, "step_ms": statistics.median(times), "steps_ms": times,
+                               "peak_alloc_bytes": dm.max_memory_allocated(), "compute_stream": compute_gaps(prof)}
+        del m
+        torch._dynamo.reset()
+        dm.synchronize()
+        dm.empty_cache()
+        dm.reset_peak_memory_stats()
+        return out
     rt = handle(m).runtimes[-1]
     plan = rt.plan
     tr = rt.executor.transfer
