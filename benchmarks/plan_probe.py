@@ -16,10 +16,11 @@ weights its predicted step does not need). ``NAME@RATIO`` runs a variant at anot
 whole graph compiled as one unit, next to the split plans of the same process; ``NAME#SIZE`` splits with
 ``max_unit_bytes=SIZE`` (consecutive blocks joined while they fit), e.g. ``HEURISTIC-notrim#2GiB``: fewer unit
 boundaries, the same resident weights. ``resident`` is the whole model on the device, ``torch.compile``'d (the
-compute ideal, measured in the same process). Timed steps run with the garbage collector off. ``--ratio default``
-plans as ``OffloadConfig()`` does (fit the card, the policy of the variant); ``--device-memory`` caps the process's
-device memory first, as ``magi bench --device-memory`` does. Diagnostics: nothing is asserted; results JSON with
-hardware and date.
+compute ideal, measured in the same process). Timed steps run with the garbage collector off; ``host_ms`` is the
+median host time of a call issued onto an idle device (up to its return, before the device finishes). ``--ratio
+default`` plans as ``OffloadConfig()`` does (fit the card, the policy of the variant); ``--device-memory`` caps the
+process's device memory first, as ``magi bench --device-memory`` does. Diagnostics: nothing is asserted; results
+JSON with hardware and date.
 """
 
 from __future__ import annotations
@@ -134,6 +135,12 @@ def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespac
                     m(*call_args, **call_kwargs)
                     dm.synchronize()
                     times.append((time.perf_counter() - t0) * 1e3)
+                host = []  # the host's own time per step: a step whose host time reaches its step time is host-bound
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    m(*call_args, **call_kwargs)
+                    host.append((time.perf_counter() - t0) * 1e3)
+                    dm.synchronize()
             finally:
                 gc.enable()
             from torch.profiler import ProfilerActivity, profile
@@ -142,7 +149,8 @@ def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespac
                 dm.synchronize()
     if name == "resident":
         out: dict[str, Any] = {"variant": label, "step_ms": statistics.median(times), "steps_ms": times,
-                               "peak_alloc_bytes": dm.max_memory_allocated(), "compute_stream": compute_gaps(prof)}
+                               "host_ms": statistics.median(host), "peak_alloc_bytes": dm.max_memory_allocated(),
+                               "compute_stream": compute_gaps(prof)}
         del m
         torch._dynamo.reset()
         dm.synchronize()
@@ -154,7 +162,7 @@ def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespac
     tr = rt.executor.transfer
     out = {
         "variant": label, "ratio": ratio, "units": rt.executor.n_units,
-        "step_ms": statistics.median(times), "steps_ms": times,
+        "step_ms": statistics.median(times), "steps_ms": times, "host_ms": statistics.median(host),
         "predicted_step_ms": plan.predicted_step_ms,
         "plan": {"resident": sorted(plan.resident), "next_step": list(plan.next_step),
                  "next_step_at": plan.next_step_at,
