@@ -163,18 +163,20 @@ fi
 if [ "$what" = plan-probe ]; then  # why the default config runs slower than its ideal at some card sizes (issue 32):
   # each case (model, tokens, cap or -, variants) a process of its own (the cap applies from the first allocation):
   # plan, copy and compute gaps, and the host's own time per step (host_ms). The default case puts the whole model
-  # compiled resident (before and after, for the process's drift), the untrimmed plan (every unit resident, one unit
-  # per block) and the whole graph as one unit (ratio 1) side by side: what unit boundaries cost, and whether the
-  # step waits for the host. Other variants: the default plan (HEURISTIC, trimmed), HEURISTIC-notrim#2GiB (units of
-  # several blocks); another case e.g. "flux 4096 24GiB HEURISTIC,HEURISTIC-nospread" in SESSION_PLAN_PROBES, one
-  # case per line; SESSION_PLAN_STEPS timed steps per variant (default 20)
+  # compiled resident, the default plan (trimmed), the untrimmed plan (every unit resident, one unit per block) and
+  # the whole graph as one unit (ratio 1) side by side: what unit boundaries cost, and whether the step waits for
+  # the host. Other variants: HEURISTIC-notrim#2GiB (units of several blocks); another case e.g. "flux 4096 24GiB
+  # HEURISTIC,HEURISTIC-nospread" in SESSION_PLAN_PROBES, one case per line; SESSION_PLAN_STEPS timed steps per
+  # variant (default 20), interleaved in rounds (every variant alive at once; SESSION_PLAN_INTERLEAVE=0: one after
+  # another, for cases too large to hold together)
   while read -r m tokens cap variants; do
     [ -n "$m" ] || continue
     [ "$cap" = - ] && cap=
     python3 benchmarks/plan_probe.py --model "$m" --tokens "$tokens" --ratio default ${cap:+--device-memory "$cap"} \
       --variants "$variants" --steps "${SESSION_PLAN_STEPS:-20}" --profiles \
+      $([ "${SESSION_PLAN_INTERLEAVE:-1}" = 1 ] && echo --interleave) \
       --out "$OUT/plan-probe-$m-${cap:-whole}.json" > "$OUT/plan-probe-$m-${cap:-whole}.log" 2>&1 || rc=1
-  done <<< "${SESSION_PLAN_PROBES:-wan14b 2184 - resident,HEURISTIC-notrim,HEURISTIC@1,resident}"
+  done <<< "${SESSION_PLAN_PROBES:-wan14b 2184 - resident,HEURISTIC,HEURISTIC-notrim,HEURISTIC@1}"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1

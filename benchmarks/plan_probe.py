@@ -19,14 +19,17 @@ boundaries, the same resident weights. ``resident`` is the whole model on the de
 compute ideal, measured in the same process). Timed steps run with the garbage collector off; ``host_ms`` is the
 median host time of a call issued onto an idle device (up to its return, before the device finishes). ``--ratio
 default`` plans as ``OffloadConfig()`` does (fit the card, the policy of the variant); ``--device-memory`` caps the
-process's device memory first, as ``magi bench --device-memory`` does. Diagnostics: nothing is asserted; results
-JSON with hardware and date.
+process's device memory first, as ``magi bench --device-memory`` does. ``--interleave`` keeps every variant alive
+(device and host memory for each) and times them one step each in rotating rounds, so that the device's drift over
+the run (clocks, temperature) falls on all alike. Diagnostics: nothing is asserted; results JSON with hardware and
+date.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import platform
@@ -108,15 +111,30 @@ def compute_gaps(prof: Any, top: int = 8, min_us: float = 20.0) -> dict[str, Any
             "largest_idle_us": [{"gap_us": round(g, 1), "before": n} for g, n in gaps[:top]]}
 
 
-def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespace, dm: Any) -> dict[str, Any]:
-    """Offload, warm up, time, profile one step; the plan and transfer facts of this variant."""
-    call_args, call_kwargs = wl.make_inputs(args.tokens, magi_core.get_backend().device())
-    label = name
-    name, _, unit_cap = name.partition("#")  # NAME#SIZE: units of whole blocks up to SIZE (max_unit_bytes)
+@dataclasses.dataclass
+class Prepared:
+    """One variant offloaded (or compiled resident) and warmed up, with its timings so far."""
+
+    label: str
+    name: str
+    ratio: float | None
+    model: Any
+    held_bytes: int
+    inputs: tuple[Any, dict[str, Any]]
+    times: list[float] = dataclasses.field(default_factory=list)
+    host: list[float] = dataclasses.field(default_factory=list)
+
+
+def prepare(wl: Any, label: str, ratio: float | None, tokens: int, reset: bool, dm: Any) -> Prepared:
+    """Offload (or compile resident) a fresh model for variant ``label`` and warm it up (it plans here)."""
+    call_args, call_kwargs = wl.make_inputs(tokens, magi_core.get_backend().device())
+    name, _, unit_cap = label.partition("#")  # NAME#SIZE: units of whole blocks up to SIZE (max_unit_bytes)
     name, _, at = name.partition("@")  # NAME@RATIO: this variant at another gpu_resident_weight_ratio
     ratio = float(at) if at else ratio
+    before = dm.memory_allocated()
     with variant(name) as policy:
-        torch._dynamo.reset()
+        if reset:
+            torch._dynamo.reset()
         if name == "resident":  # the whole model on the device, torch.compile'd: the compute ideal, same process
             m = torch.compile(wl.fresh().to(magi_core.get_backend().device()), dynamic=False)
         else:
@@ -126,64 +144,90 @@ def run_variant(wl: Any, name: str, ratio: float | None, args: argparse.Namespac
             for _ in range(6):
                 m(*call_args, **call_kwargs)
             dm.synchronize()
-            times = []
-            gc.collect()
-            gc.disable()  # a collection inside a timed step is noise of the process, not of the plan
-            try:
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    m(*call_args, **call_kwargs)
-                    dm.synchronize()
-                    times.append((time.perf_counter() - t0) * 1e3)
-                host = []  # the host's own time per step: a step whose host time reaches its step time is host-bound
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    m(*call_args, **call_kwargs)
-                    host.append((time.perf_counter() - t0) * 1e3)
-                    dm.synchronize()
-            finally:
-                gc.enable()
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                m(*call_args, **call_kwargs)
+    return Prepared(label, name, ratio, m, dm.memory_allocated() - before, (call_args, call_kwargs))
+
+
+def time_steps(p: Prepared, steps: int, dm: Any) -> None:
+    """Time ``steps`` calls of ``p`` (step time to the device's end, then the host's own time per call) with the
+    garbage collector off (a collection inside a timed step is noise of the process, not of the plan)."""
+    call_args, call_kwargs = p.inputs
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                p.model(*call_args, **call_kwargs)
                 dm.synchronize()
-    if name == "resident":
-        out: dict[str, Any] = {"variant": label, "step_ms": statistics.median(times), "steps_ms": times,
-                               "host_ms": statistics.median(host), "peak_alloc_bytes": dm.max_memory_allocated(),
-                               "compute_stream": compute_gaps(prof)}
-        del m
-        torch._dynamo.reset()
+                p.times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(steps):  # a step whose host time reaches its step time is host-bound
+                t0 = time.perf_counter()
+                p.model(*call_args, **call_kwargs)
+                p.host.append((time.perf_counter() - t0) * 1e3)
+                dm.synchronize()
+    finally:
+        gc.enable()
+
+
+def finish(p: Prepared, args: argparse.Namespace, dm: Any) -> dict[str, Any]:
+    """Profile one step of ``p``; its timings, plan and transfer facts; release it."""
+    call_args, call_kwargs = p.inputs
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        p.model(*call_args, **call_kwargs)
         dm.synchronize()
-        dm.empty_cache()
-        dm.reset_peak_memory_stats()
-        return out
-    rt = handle(m).runtimes[-1]
-    plan = rt.plan
-    tr = rt.executor.transfer
-    out = {
-        "variant": label, "ratio": ratio, "units": rt.executor.n_units,
-        "step_ms": statistics.median(times), "steps_ms": times, "host_ms": statistics.median(host),
-        "predicted_step_ms": plan.predicted_step_ms,
-        "plan": {"resident": sorted(plan.resident), "next_step": list(plan.next_step),
-                 "next_step_at": plan.next_step_at,
-                 "prefetch_at": {str(k): list(v) for k, v in plan.prefetch_at.items() if v},
-                 "notes": dict(plan.notes)},
-        "bandwidth_GBps": rt.bandwidth_Bps / 1e9 if rt.bandwidth_Bps else None,
-        "transfer": type(tr).__name__, "buffer_bytes": getattr(tr, "buffer_bytes", None),
-        "fallbacks": getattr(tr, "fallbacks", None), "copy_calls": getattr(tr, "copy_calls", None),
-        "peak_alloc_bytes": dm.max_memory_allocated(),
-        "copy_stream": copy_gaps(prof), "compute_stream": compute_gaps(prof),
-        "device_budget_bytes": rt.device_budget_bytes,
+    out: dict[str, Any] = {
+        "variant": p.label, "step_ms": statistics.median(p.times), "steps_ms": p.times,
+        "host_ms": statistics.median(p.host), "held_bytes": p.held_bytes,
+        "peak_alloc_bytes": dm.max_memory_allocated(), "compute_stream": compute_gaps(prof),
     }
-    if args.profiles:
-        out["profiles"] = [{"bytes": p.weight_bytes, "compute_ms": round(p.compute_ms, 4), "last_use": p.last_use}
-                           for p in rt.profiles or []]
-    release(m)
-    del m
+    if p.name != "resident":
+        rt = handle(p.model).runtimes[-1]
+        plan = rt.plan
+        assert plan is not None
+        tr = rt.executor.transfer
+        out.update({
+            "ratio": p.ratio, "units": rt.executor.n_units,
+            "predicted_step_ms": plan.predicted_step_ms,
+            "plan": {"resident": sorted(plan.resident), "next_step": list(plan.next_step),
+                     "next_step_at": plan.next_step_at,
+                     "prefetch_at": {str(k): list(v) for k, v in plan.prefetch_at.items() if v},
+                     "notes": dict(plan.notes)},
+            "bandwidth_GBps": rt.bandwidth_Bps / 1e9 if rt.bandwidth_Bps else None,
+            "transfer": type(tr).__name__, "buffer_bytes": getattr(tr, "buffer_bytes", None),
+            "fallbacks": getattr(tr, "fallbacks", None), "copy_calls": getattr(tr, "copy_calls", None),
+            "copy_stream": copy_gaps(prof), "device_budget_bytes": rt.device_budget_bytes,
+        })
+        if args.profiles:
+            out["profiles"] = [{"bytes": q.weight_bytes, "compute_ms": round(q.compute_ms, 4), "last_use": q.last_use}
+                               for q in rt.profiles or []]
+        release(p.model)
+    p.model = None
+    if not args.interleave:
+        torch._dynamo.reset()
     dm.synchronize()
     dm.empty_cache()
     dm.reset_peak_memory_stats()
     return out
+
+
+def run_variants(wl: Any, labels: list[str], ratio: float | None, args: argparse.Namespace,
+                 dm: Any) -> list[dict[str, Any]]:
+    """Each variant in turn, or (``--interleave``) all alive at once and timed one step each per round, in an order
+    that rotates, so that the device's drift over the run (clocks, temperature) falls on every variant alike."""
+    if not args.interleave:
+        outs = []
+        for label in labels:
+            p = prepare(wl, label, ratio, args.tokens, True, dm)
+            time_steps(p, args.steps, dm)
+            outs.append(finish(p, args, dm))
+        return outs
+    torch._dynamo.reset()
+    prepared = [prepare(wl, label, ratio, args.tokens, False, dm) for label in labels]
+    for r in range(args.steps):
+        for k in range(len(prepared)):
+            time_steps(prepared[(r + k) % len(prepared)], 1, dm)
+    return [finish(p, args, dm) for p in prepared]
 
 
 def main() -> None:
@@ -197,6 +241,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--variants", default="BASE,HEURISTIC,HEURISTIC-nocarry,HEURISTIC-nobusy")
     ap.add_argument("--profiles", action="store_true", help="also record the unit profiles of each variant")
+    ap.add_argument("--interleave", action="store_true",
+                    help="keep every variant alive and time them in rotating rounds (device memory for all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     be = magi_core.get_backend()
@@ -210,7 +256,7 @@ def main() -> None:
         wl.materialize_base()
     else:
         wl = probe_workload(args.model, accel, args.layers)
-    runs = [run_variant(wl, v, ratio, args, dm) for v in args.variants.split(",")]
+    runs = run_variants(wl, args.variants.split(","), ratio, args, dm)
     hardware = dm.get_device_name() if accel and hasattr(dm, "get_device_name") else platform.processor()
     emit_json({"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "hardware": hardware,
                "torch": torch.__version__, "magi_core": magi_core.__version__, "model": args.model,
