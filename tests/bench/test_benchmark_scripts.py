@@ -278,3 +278,18 @@ def test_cap_grid_report_section_and_plot(tmp_path: Path) -> None:
     assert "](cap-grid-2026-12-03-h200.png)" in text and "2026-12-02" not in text
     pytest.importorskip("matplotlib")
     assert grid.plot(doc, tmp_path / "grid.png") == tmp_path / "grid.png" and (tmp_path / "grid.png").stat().st_size
+
+
+def test_plan_probe_interleaved_times_every_variant_alive_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "probe.json"
+    argv = ["--model", "mlp", "--layers", "2", "--tokens", "8", "--ratio", "default", "--steps", "3",
+            "--variants", "resident,HEURISTIC,HEURISTIC@1", "--interleave", "--out", str(out)]
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_probe.py"), *argv], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
+    assert list(runs) == ["resident", "HEURISTIC", "HEURISTIC@1"]
+    for r in runs.values():
+        assert len(r["steps_ms"]) == 3 and r["step_ms"] > 0 and 0 < r["host_ms"]
+    assert "units" not in runs["resident"]  # the whole model compiled, not offloaded
+    assert runs["HEURISTIC@1"]["units"] == 1 and runs["HEURISTIC"]["units"] == 2  # one unit per block
