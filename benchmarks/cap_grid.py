@@ -421,8 +421,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="skip the uncapped resident compiled row (the ideal then has no compute term)")
     ap.add_argument("--tokens", default=None, help="MODEL=COUNT pairs (default " +
                     ",".join(f"{k}={v}" for k, v in TOKENS.items()) + ")")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per row (default 3; their median)")
-    ap.add_argument("--warmup", type=int, default=1, help="warm-up calls (magi-core adds its own)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per row (default 10; their median)")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="warm-up calls after setup (default 3; magi-core's first planned calls fill its resident "
+                         "copies and allocate its buffers, which the timed steps must not include)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--layers", type=int, default=None, help="blocks per model (tests; default the real models')")
     ap.add_argument("--quick", action="store_true", help="the bench's quick sizes (4 blocks at full width)")

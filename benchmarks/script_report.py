@@ -159,8 +159,10 @@ def is_cap_grid_doc(doc: dict[str, Any]) -> bool:
 
 def cap_grid_run(doc: dict[str, Any]) -> list[str]:
     """One grid: per model, a row per system and a column per card size (step ms, x ideal, peak reserved)."""
+    counts = sorted({len(r["steps_ms"]) for r in doc.get("rows", []) if r.get("steps_ms")}) or [doc.get("steps")]
+    steps = f"{counts[0]} steps" if len(counts) == 1 else f"{counts[0]}-{counts[-1]} steps (per row in the JSON)"
     lines = [f"### {', '.join(doc.get('models', []))} on {doc.get('hardware')} - {doc.get('date')}", "",
-             f"torch {doc.get('torch')}, {doc.get('dtype')}, median of {doc.get('steps')} steps; "
+             f"torch {doc.get('torch')}, {doc.get('dtype')}, median of {steps}; "
              f"{len(doc.get('remaining') or [])} rows not run yet; commands: "
              + "; ".join(f"`{c}`" for c in doc.get("commands", [])), ""]
     caps = list(doc.get("caps", []))

@@ -270,7 +270,11 @@ def test_cap_grid_report_section_and_plot(tmp_path: Path) -> None:
     assert is_cap_grid_doc(doc)
     text = "\n".join(scripts_markdown([doc]))
     assert "| system | 12GiB | none |" in text and "| magi_r0 | failed: OutOfMemoryError: / out of memory |" in text
-    assert "450.0 (0.96x; 1.074 GB)" in text
+    assert "450.0 (0.96x; 1.074 GB)" in text and "median of 3 steps" in text  # no per-step times: the document's
+    doc["rows"][0]["steps_ms"] = [450.0] * 10
+    doc["rows"].append({**doc["rows"][0], "cap": "12GiB", "steps_ms": [450.0] * 3})  # a row of an earlier call
+    assert "median of 3-10 steps (per row in the JSON)" in "\n".join(scripts_markdown([doc]))
+    doc["rows"].pop()
     assert "cap-grid-2026-12-03" not in text  # no docs directory: no plot named
     (tmp_path / "cap-grid-2026-12-03-h200.png").write_bytes(b"png")
     (tmp_path / "cap-grid-2026-12-02-h200.png").write_bytes(b"png")
