@@ -126,7 +126,8 @@ class OffloadConfig:
     step needs; on a backend that cannot say how
     much memory its device has (the host backend) every weight streams. ``gpu_resident_weight_ratio`` in [0, 1]:
     at most this share of all weight bytes stays resident on the device (at 1, with no ``max_unit_bytes``,
-    nothing streams and the graph is compiled whole, as one unit); a ratio whose plan does not fit what the
+    nothing streams and the graph is compiled whole, as one unit, where the device's free memory holds every
+    weight when it compiles; elsewhere it is split as by default); a ratio whose plan does not fit what the
     device can spare degrades to the fastest plan that fits, with a warning. ``device_memory_budget_bytes``: the
     alternative to the ratio (set one of the two): bytes (an int, or a size such as ``"12GiB"``), a share of the
     device's memory (``"80%"``), or ``"auto"`` (the default's fit-the-card budget); the scheduler keeps as many

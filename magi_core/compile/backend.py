@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from magi_core.compile.device_branches import warn_device_branches
+from magi_core.compile.device_room import device_room
 from magi_core.compile.exchange import exchange_transfer
 from magi_core.compile.runtime import OffloadRuntime
 from magi_core.config import OffloadConfig, resolve_config
@@ -31,12 +32,13 @@ from magi_core.errors import ConfigError, MagiError
 from magi_core.execute.executor import OffloadExecutor
 from magi_core.passes.device_placement import place_on_device
 from magi_core.passes.split import split_into_units
-from magi_core.passes.weights import mutated_module_state
+from magi_core.passes.weights import mutated_module_state, tensor_nbytes, weight_input_indices
 from magi_core.plan.registry import check_policy
 from magi_core.plugin.manager import get_backend
 
 if TYPE_CHECKING:
     from magi_core.host import HostWeights
+    from magi_core.plugin.facade import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +85,10 @@ def build_runtime(
     device = backend.device()
     warn_device_branches()
     place_on_device(gm, device, backend.to_method_aliases, example_inputs=example_inputs)
-    # everything resident by request: nothing streams, so the graph compiles whole (as torch.compile would)
-    everything_resident = config.resident_ratio >= 1.0 and config.unit_bytes_cap is None
+    # everything resident by request: nothing streams, so the graph compiles whole (as torch.compile would), where
+    # the device can hold it; where it cannot, units let the ratio degrade to the fastest plan that fits
+    everything_resident = (config.resident_ratio >= 1.0 and config.unit_bytes_cap is None
+                           and _whole_graph_fits(gm, example_inputs, config, backend, device))
     split = split_into_units(gm, example_inputs, max_unit_bytes=config.unit_bytes_cap, one_unit=everything_resident)
     # the backend's capabilities decide "auto" and whether generated unit code is called directly
     transfer = exchange_transfer(config, backend, device, host) or config.transfer
@@ -98,6 +102,30 @@ def build_runtime(
         len(example_inputs), executor.n_units, split.weight_bytes, device,
     )
     return runtime
+
+
+def _whole_graph_fits(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: OffloadConfig,
+                      backend: Backend, device: torch.device) -> bool:
+    """Whether every weight of ``gm`` fits the device's free memory now, less the reserve (and the config's budget,
+    where one is given). A graph of one unit streams that unit whole while it warms up, so it needs that room even
+    where the model's other graphs keep its weights resident. True where neither the device nor a budget says how
+    much there is."""
+    room = device_room(backend, device, 0, 0)
+    limits = [room.spare] if room is not None else []
+    share_of_unknown = room is None and isinstance(config.device_memory_budget_bytes, str)  # refused when planning
+    budget = None if share_of_unknown else config.budget_bytes(room.total if room is not None else None)
+    if budget is not None:
+        limits.append(budget)
+    if not limits:
+        return True
+    weights = sum(tensor_nbytes(example_inputs[i]) for i in weight_input_indices(gm, example_inputs)
+                  if isinstance(example_inputs[i], torch.Tensor))
+    if weights <= min(limits):
+        return True
+    logger.info("magi offload: the graph's %d weight bytes do not fit %s (%s): it is split into units so that "
+                "gpu_resident_weight_ratio=1 can degrade to the fastest plan that fits", weights, device,
+                room.describe() if room is not None else f"a budget of {budget} bytes")
+    return False
 
 
 def magi_offload_backend(

@@ -160,6 +160,56 @@ def test_a_ratio_that_does_not_fit_degrades_with_a_warning(device_cap, caplog) -
         magi_core.release(model, restore=True)
 
 
+def test_ratio_one_compiles_whole_where_it_fits_and_degrades_where_it_does_not(device_cap, caplog) -> None:
+    """Ratio 1 compiles the graph as one unit only where the device can hold every weight: on a smaller card the
+    graph is split so that the ratio degrades to the fastest plan that fits, with a warning, not an error."""
+    device_cap(512 * MIB)
+    model = Blocks().eval()  # 128 MiB
+    try:
+        out, ref = _run(model, OffloadConfig(unit_compiler="eager", gpu_resident_weight_ratio=1.0))
+        torch.testing.assert_close(out, ref)
+        (stats,) = magi_core.handle(model).stats()
+        assert stats.units == 1 and stats.resident_bytes == 128 * MIB
+    finally:
+        magi_core.release(model, restore=True)
+    torch._dynamo.reset()
+    device_cap(80 * MIB)
+    model = Blocks().eval()
+    try:
+        with caplog.at_level(logging.WARNING, logger="magi_core"):
+            out, ref = _run(model, OffloadConfig(unit_compiler="eager", gpu_resident_weight_ratio=1.0))
+        torch.testing.assert_close(out, ref)
+        assert any("gpu_resident_weight_ratio=1 holds" in r.getMessage() and "fastest plan that fits" in r.getMessage()
+                   for r in caplog.records)
+        (stats,) = magi_core.handle(model).stats()
+        assert stats.units == 8  # one unit per block
+        assert stats.resident_bytes + stats.transfer_buffer_bytes <= 80 * MIB
+    finally:
+        magi_core.release(model, restore=True)
+
+
+def test_ratio_one_second_input_shape_on_a_card_that_holds_the_model_once(device_cap) -> None:
+    """A second input shape at ratio 1, where the device holds the weights once: the first graph compiled whole; the
+    second cannot stream a whole-model unit beside them, so it is split and reads the resident copies: one copy of
+    the weights on the device, nothing streamed, both graphs planned."""
+    device_cap(200 * MIB)
+    model = Blocks().eval()  # 128 MiB: fits once, not twice
+    try:
+        _run(model, OffloadConfig(unit_compiler="eager", gpu_resident_weight_ratio=1.0))
+        x = torch.randn(8, DIM)
+        with torch.no_grad():
+            for _ in range(3):
+                out = model(x)
+        stats = magi_core.handle(model).stats()
+        assert [s.units for s in stats] == [1, 8] and [s.phase for s in stats] == ["planned", "planned"]
+        assert all(s.resident_bytes == 128 * MIB and s.streamed_bytes_per_step == 0 for s in stats)
+        assert get_backend().device_module.memory_allocated() < 2 * 128 * MIB  # the weights once
+    finally:
+        magi_core.release(model, restore=True)
+    with torch.no_grad():
+        torch.testing.assert_close(out.cpu(), model(x))
+
+
 def test_a_share_of_the_device_is_a_budget_in_bytes(device_cap) -> None:
     device_cap(160 * MIB)
     info = get_backend().device_memory()
