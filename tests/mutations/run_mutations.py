@@ -481,6 +481,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "]",
         (("core", ("tests/plan/test_spread.py",)),),
     ),
+    Mutation(
+        "av", "compile: ratio 1 compiles the graph as one unit whatever the card (a card that cannot hold the model "
+        "raises instead of degrading to the fastest plan that fits)",
+        "magi_core/compile/backend.py",
+        "                           and _whole_graph_fits(gm, example_inputs, config, backend, device))",
+        ")",
+        (("privateuse1", ("tests/compile/test_device_fit.py",)),),
+    ),
 )
 
 
