@@ -14,6 +14,8 @@ H200 by default: llama8b 2048, wan14b 2184, flux 4096 image tokens; ``--tokens f
 
 ``magi_default``  ``magi_core.offload(model)`` with ``OffloadConfig()``: the plan fits the card
 ``magi_r0``       ``OffloadConfig(gpu_resident_weight_ratio=0)``, policy HEURISTIC: every weight streams
+``magi_r1``       (not in the default systems) ``OffloadConfig(gpu_resident_weight_ratio=1)``, policy HEURISTIC: the
+                  whole graph as one unit where the card holds it, else the fastest plan that fits
 ``diffusers``     diffusers group offloading, block level, one block per group, ``use_stream=True``,
                   ``record_stream=True``, the top-level group as the bench's diffusers peer forms it
 ``accelerate``    accelerate ``device_map="auto"`` with ``max_memory={0: card - slack, "cpu": ...}`` (what fits stays
@@ -64,6 +66,7 @@ BENCH_ARGS = {
     "resident": ["--systems", "resident_compiled"],
     "magi_default": ["--systems", "magi", "--magi-default", "--ratios", "", "--budgets", ""],
     "magi_r0": ["--systems", "magi", "--policies", "HEURISTIC", "--ratios", "0", "--budgets", ""],
+    "magi_r1": ["--systems", "magi", "--policies", "HEURISTIC", "--ratios", "1", "--budgets", ""],
     "diffusers": ["--systems", "diffusers"],
     "accelerate": ["--systems", "accelerate", "--accelerate-device-map"],
 }
@@ -448,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plot: {written}" if written else "no plot written")
         return 0 if written else 1
     args.models = _names(args.models, MODELS, "models")
-    args.systems = _names(args.systems, SYSTEMS, "systems")
+    args.systems = _names(args.systems, [s for s in BENCH_ARGS if s != "resident"], "systems")
     args.caps = [c.strip() for c in args.caps.split(",") if c.strip()]
     for cap in args.caps:
         cap_bytes(cap)  # refuse an unreadable cap before anything runs

@@ -181,6 +181,10 @@ def test_cap_grid_ideal_floor_order_and_time_budget(tmp_path: Path, monkeypatch:
     assert {"--accelerate-device-map", "--no-host-timing", "--no-overhead-probe"} <= set(cmd)
     assert cmd[cmd.index("--device-memory") + 1] == "16GiB" and cmd[cmd.index("--steps") + 1] == "3"
     assert grid._tokens("flux=8192") == {**grid.TOKENS, "flux": 8192}
+    r1 = grid.bench_command({"model": "flux", "tokens": 4096, "cap": "none", "system": "magi_r1"}, args,
+                            tmp_path / "p.json")
+    assert r1[r1.index("--ratios") + 1] == "1" and "--device-memory" not in r1  # opt-in: not a default system
+    assert "magi_r1" not in grid.SYSTEMS
     # a time budget that fits no row: nothing runs, every row is left for the next call
     calls: list[str] = []
     monkeypatch.setattr(grid, "run_row", lambda row, *a: calls.append(row["key"]) or {})
