@@ -85,13 +85,18 @@ def build_runtime(
     device = backend.device()
     warn_device_branches()
     place_on_device(gm, device, backend.to_method_aliases, example_inputs=example_inputs)
+    exchange = exchange_transfer(config, backend, device, host)
     # everything resident by request: nothing streams, so the graph compiles whole (as torch.compile would), where
-    # the device can hold it; where it cannot, units let the ratio degrade to the fastest plan that fits
-    everything_resident = (config.resident_ratio >= 1.0 and config.unit_bytes_cap is None
-                           and _whole_graph_fits(gm, example_inputs, config, backend, device))
+    # the device can hold it; where it cannot, units let the ratio degrade to the fastest plan that fits (ranks that
+    # exchange weights decide together: their units must match)
+    everything_resident = config.resident_ratio >= 1.0 and config.unit_bytes_cap is None
+    if everything_resident:
+        everything_resident = _whole_graph_fits(gm, example_inputs, config, backend, device)
+        if exchange is not None:
+            everything_resident = exchange.all_agree(everything_resident)
     split = split_into_units(gm, example_inputs, max_unit_bytes=config.unit_bytes_cap, one_unit=everything_resident)
     # the backend's capabilities decide "auto" and whether generated unit code is called directly
-    transfer = exchange_transfer(config, backend, device, host) or config.transfer
+    transfer = exchange or config.transfer
     executor = OffloadExecutor(
         split, backend, device, unit_compiler=backend.resolve_unit_compiler(config.unit_compiler),
         direct_unit_calls=backend.allows_direct_unit_calls(config.direct_unit_calls), transfer=transfer,

@@ -72,6 +72,14 @@ def test_a_weight_rebound_on_one_rank_after_planning_is_agreed_again(two_ranks: 
         assert rec["rebind"]["err"] < 1e-5, "each rank computes with its own weights after the rebind"
 
 
+def test_ratio_one_ranks_split_alike_when_one_card_cannot_hold_the_graph_whole(two_ranks: list[dict]) -> None:
+    for rec in two_ranks:
+        whole = rec["whole"]
+        assert "error" not in whole, whole
+        assert whole["err"] < 1e-5 and whole["type"] == "ExchangeTransfer"
+    assert two_ranks[0]["whole"]["units"] == two_ranks[1]["whole"]["units"] > 1
+
+
 def test_ranks_that_disagree_on_the_plan_fail_instead_of_hanging(two_ranks: list[dict]) -> None:
     for rec in two_ranks:
         assert "different offload plan" in rec["disagree"], rec["disagree"]

@@ -3,7 +3,8 @@
 Scenarios (in order, all ranks together): ``same`` (identical weights: every batch exchanged, outputs equal
 to the plain per-rank path bit for bit, half the host bytes per rank), ``differ`` (rank-specific weights in
 one block, MAGI_EP_SIZE hint: those batches copied whole, each rank equals its own model), ``rebind`` (one rank
-rebinds a weight's ``.data`` after planning: agreed again, each rank equals its own model), ``disagree``
+rebinds a weight's ``.data`` after planning: agreed again, each rank equals its own model), ``whole`` (ratio 1,
+one rank's card too small for the whole graph: every rank splits alike and exchanges), ``disagree``
 (different plans: an error on every rank, no hang), ``dead`` (a rank leaves: the other gets an error within
 the exchange timeout). Writes ``rank<r>.json`` under ``--out``.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import magi_core
+import magi_core.compile.backend as compile_backend
 from magi_core.bench.models import TransformerSpec, build_transformer, example_input
 from magi_core.execute.transfer.exchange import ExchangeTransfer
 
@@ -37,7 +39,8 @@ def run(model: torch.nn.Module, x: torch.Tensor, cfg: magi_core.OffloadConfig, s
         t = magi_core.handle(model).runtime.executor.transfer
         stats = {"type": type(t).__name__, "exchanges": getattr(t, "exchanges", 0),
                  "bytes_copied": t.bytes_copied, "bytes_gathered": getattr(t, "bytes_gathered", 0),
-                 "streamed_per_step": magi_core.handle(model).runtime.executor.actions.streamed_bytes}
+                 "streamed_per_step": magi_core.handle(model).runtime.executor.actions.streamed_bytes,
+                 "units": magi_core.handle(model).runtime.executor.n_units}
         return out.clone(), stats
     finally:
         magi_core.release(model)
@@ -100,6 +103,23 @@ def main() -> None:
         rec["rebind"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     finally:
         magi_core.release(model)
+
+    # ratio 1 where one rank's card could not hold the graph whole (rank 0's check says no, as a smaller card's
+    # would): the ranks split alike, so their units and plans match and they exchange as usual
+    torch._dynamo.reset()
+    fits = compile_backend._whole_graph_fits
+    if rank == 0:
+        compile_backend._whole_graph_fits = lambda *a, **k: False  # type: ignore[assignment]
+    try:
+        whole = build_transformer(SPEC)
+        with torch.no_grad():
+            whole_expect = whole(x)
+        out, stats = run(whole, x, base.replace(exchange="on", gpu_resident_weight_ratio=1.0))
+        rec["whole"] = {"err": float((out - whole_expect).abs().max()), **stats}
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to check
+        rec["whole"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        compile_backend._whole_graph_fits = fits  # type: ignore[assignment]
 
     # different plans: an error on every rank, not a hang
     torch._dynamo.reset()

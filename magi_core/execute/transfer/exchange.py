@@ -105,6 +105,12 @@ class ExchangeTransfer(UnitTransfer):
         unit = self.world * WEIGHT_ALIGNMENT
         return align_up(sum(align_up(n) for n in sizes), unit)
 
+    def all_agree(self, flag: bool) -> bool:
+        """True when ``flag`` is True on every rank of the group: one decision for all (their units must match)."""
+        agreed = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.meta_group)
+        return bool(agreed.item())
+
     def rate(self, measured_Bps: float) -> float:
         """The slowest rank's rate of exchanging a place of the probe's size (what every rank plans with)."""
         agreed = torch.tensor([float(measured_Bps)], dtype=torch.float64)  # each rank measured its own link
