@@ -485,9 +485,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "av", "compile: ratio 1 compiles the graph as one unit whatever the card (a card that cannot hold the model "
         "raises instead of degrading to the fastest plan that fits)",
         "magi_core/compile/backend.py",
-        "                           and _whole_graph_fits(gm, example_inputs, config, backend, device))",
-        ")",
+        "        everything_resident = _whole_graph_fits(gm, example_inputs, config, backend, device)\n",
+        "",
         (("privateuse1", ("tests/compile/test_device_fit.py",)),),
+    ),
+    Mutation(
+        "aw", "compile: ranks that exchange weights decide alone whether ratio 1 compiles whole (one rank splits, "
+        "another does not: their plans differ and every exchange step fails)",
+        "magi_core/compile/backend.py",
+        "            everything_resident = exchange.all_agree(everything_resident)\n",
+        "            pass\n",
+        (("core", ("tests/compile/test_exchange.py",)),),
     ),
 )
 
