@@ -91,7 +91,7 @@ def build_runtime(
     # exchange weights decide together: their units must match)
     everything_resident = config.resident_ratio >= 1.0 and config.unit_bytes_cap is None
     if everything_resident:
-        everything_resident = _whole_graph_fits(gm, example_inputs, config, backend, device)
+        everything_resident = _whole_graph_fits(gm, example_inputs, backend, device)
         if exchange is not None:
             everything_resident = exchange.all_agree(everything_resident)
     split = split_into_units(gm, example_inputs, max_unit_bytes=config.unit_bytes_cap, one_unit=everything_resident)
@@ -109,27 +109,21 @@ def build_runtime(
     return runtime
 
 
-def _whole_graph_fits(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: OffloadConfig,
-                      backend: Backend, device: torch.device) -> bool:
-    """Whether every weight of ``gm`` fits the device's free memory now, less the reserve (and the config's budget,
-    where one is given). A graph of one unit streams that unit whole while it warms up, so it needs that room even
-    where the model's other graphs keep its weights resident. True where neither the device nor a budget says how
-    much there is."""
+def _whole_graph_fits(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], backend: Backend,
+                      device: torch.device) -> bool:
+    """Whether every weight of ``gm`` fits the device's free memory now, less the reserve. A graph of one unit
+    streams that unit whole while it warms up, so it needs that room even where the model's other graphs keep its
+    weights resident. True where the backend cannot say how much memory its device has."""
     room = device_room(backend, device, 0, 0)
-    limits = [room.spare] if room is not None else []
-    share_of_unknown = room is None and isinstance(config.device_memory_budget_bytes, str)  # refused when planning
-    budget = None if share_of_unknown else config.budget_bytes(room.total if room is not None else None)
-    if budget is not None:
-        limits.append(budget)
-    if not limits:
+    if room is None:
         return True
     weights = sum(tensor_nbytes(example_inputs[i]) for i in weight_input_indices(gm, example_inputs)
                   if isinstance(example_inputs[i], torch.Tensor))
-    if weights <= min(limits):
+    if weights <= room.spare:
         return True
     logger.info("magi offload: the graph's %d weight bytes do not fit %s (%s): it is split into units so that "
                 "gpu_resident_weight_ratio=1 can degrade to the fastest plan that fits", weights, device,
-                room.describe() if room is not None else f"a budget of {budget} bytes")
+                room.describe())
     return False
 
 

@@ -485,7 +485,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "av", "compile: ratio 1 compiles the graph as one unit whatever the card (a card that cannot hold the model "
         "raises instead of degrading to the fastest plan that fits)",
         "magi_core/compile/backend.py",
-        "        everything_resident = _whole_graph_fits(gm, example_inputs, config, backend, device)\n",
+        "        everything_resident = _whole_graph_fits(gm, example_inputs, backend, device)\n",
         "",
         (("privateuse1", ("tests/compile/test_device_fit.py",)),),
     ),
