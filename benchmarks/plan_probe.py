@@ -125,7 +125,7 @@ class Prepared:
     host: list[float] = dataclasses.field(default_factory=list)
 
 
-def prepare(wl: Any, label: str, ratio: float | None, tokens: int, reset: bool, dm: Any) -> Prepared:
+def prepare(wl: Any, label: str, ratio: float | None, tokens: int, dm: Any) -> Prepared:
     """Offload (or compile resident) a fresh model for variant ``label`` and warm it up (it plans here)."""
     call_args, call_kwargs = wl.make_inputs(tokens, magi_core.get_backend().device())
     name, _, unit_cap = label.partition("#")  # NAME#SIZE: units of whole blocks up to SIZE (max_unit_bytes)
@@ -133,8 +133,6 @@ def prepare(wl: Any, label: str, ratio: float | None, tokens: int, reset: bool, 
     ratio = float(at) if at else ratio
     before = dm.memory_allocated()
     with variant(name) as policy:
-        if reset:
-            torch._dynamo.reset()
         if name == "resident":  # the whole model on the device, torch.compile'd: the compute ideal, same process
             m = torch.compile(wl.fresh().to(magi_core.get_backend().device()), dynamic=False)
         else:
@@ -203,12 +201,17 @@ def finish(p: Prepared, args: argparse.Namespace, dm: Any) -> dict[str, Any]:
                                for q in rt.profiles or []]
         release(p.model)
     p.model = None
-    if not args.interleave:
+    return out
+
+
+def _clean(dm: Any, forget_compiled: bool) -> None:
+    """Give the device memory of what ran back (``forget_compiled``: Dynamo's compiled code too) and restart the
+    peak statistic."""
+    if forget_compiled:
         torch._dynamo.reset()
     dm.synchronize()
     dm.empty_cache()
     dm.reset_peak_memory_stats()
-    return out
 
 
 def run_variants(wl: Any, labels: list[str], ratio: float | None, args: argparse.Namespace,
@@ -218,16 +221,22 @@ def run_variants(wl: Any, labels: list[str], ratio: float | None, args: argparse
     if not args.interleave:
         outs = []
         for label in labels:
-            p = prepare(wl, label, ratio, args.tokens, True, dm)
+            torch._dynamo.reset()
+            p = prepare(wl, label, ratio, args.tokens, dm)
             time_steps(p, args.steps, dm)
             outs.append(finish(p, args, dm))
+            _clean(dm, forget_compiled=True)
         return outs
     torch._dynamo.reset()
-    prepared = [prepare(wl, label, ratio, args.tokens, False, dm) for label in labels]
+    prepared = [prepare(wl, label, ratio, args.tokens, dm) for label in labels]
     for r in range(args.steps):
         for k in range(len(prepared)):
             time_steps(prepared[(r + k) % len(prepared)], 1, dm)
-    return [finish(p, args, dm) for p in prepared]
+    outs = []
+    for p in prepared:
+        outs.append(finish(p, args, dm))
+        _clean(dm, forget_compiled=False)
+    return outs
 
 
 def main() -> None:
