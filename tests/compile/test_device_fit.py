@@ -188,6 +188,51 @@ def test_ratio_one_compiles_whole_where_it_fits_and_degrades_where_it_does_not(d
         magi_core.release(model, restore=True)
 
 
+class _Gated(nn.Module):
+    """A decoder-like block of another class: two half-width projections (16 MiB)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, DIM // 2, bias=False)
+        self.down = nn.Linear(DIM // 2, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class EncoderDecoder(nn.Module):
+    """Two stacks of different block classes, glue between them (128 MiB)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = Blocks(4)
+        self.bridge = nn.LayerNorm(DIM)
+        self.decoder = nn.ModuleList(_Gated() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.bridge(self.encoder(x))
+        for block in self.decoder:
+            x = block(x)
+        return x
+
+
+def test_ratio_one_on_a_small_card_splits_every_stack(device_cap) -> None:
+    """Ratio 1 on a card that cannot hold an encoder-decoder: both stacks split per block, the plan fits the card,
+    the output is the model's."""
+    cap = device_cap(80 * MIB)
+    model = EncoderDecoder().eval()
+    try:
+        out, ref = _run(model, OffloadConfig(unit_compiler="eager", gpu_resident_weight_ratio=1.0))
+        torch.testing.assert_close(out, ref)
+        (stats,) = magi_core.handle(model).stats()
+        assert stats.units >= 8  # every block of both stacks its own unit
+        assert stats.resident_bytes + stats.transfer_buffer_bytes <= 80 * MIB
+        assert stats.measured_peak_bytes is not None and stats.measured_peak_bytes <= cap
+    finally:
+        magi_core.release(model, restore=True)
+
+
 def test_ratio_one_second_input_shape_on_a_card_that_holds_the_model_once(device_cap) -> None:
     """A second input shape at ratio 1, where the device holds the weights once: the first graph compiled whole; the
     second cannot stream a whole-model unit beside them, so it is split and reads the resident copies: one copy of
