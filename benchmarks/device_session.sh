@@ -168,13 +168,14 @@ if [ "$what" = plan-probe ]; then  # why the default config runs slower than its
   # the host. Other variants: HEURISTIC-notrim#2GiB (units of several blocks); another case e.g. "flux 4096 24GiB
   # HEURISTIC,HEURISTIC-nospread" in SESSION_PLAN_PROBES, one case per line; SESSION_PLAN_STEPS timed steps per
   # variant (default 20), interleaved in rounds (every variant alive at once; SESSION_PLAN_INTERLEAVE=0: one after
-  # another, for cases too large to hold together)
+  # another, for cases too large to hold together). Each variant's profiled step is kept as a Chrome trace under
+  # traces-<case>/, and its synchronizing calls are listed in the JSON (host_syncs)
   while read -r m tokens cap variants; do
     [ -n "$m" ] || continue
     [ "$cap" = - ] && cap=
     python3 benchmarks/plan_probe.py --model "$m" --tokens "$tokens" --ratio default ${cap:+--device-memory "$cap"} \
       --variants "$variants" --steps "${SESSION_PLAN_STEPS:-20}" --profiles \
-      $([ "${SESSION_PLAN_INTERLEAVE:-1}" = 1 ] && echo --interleave) \
+      $([ "${SESSION_PLAN_INTERLEAVE:-1}" = 1 ] && echo --interleave) --trace "$OUT/traces-$m-${cap:-whole}" \
       --out "$OUT/plan-probe-$m-${cap:-whole}.json" > "$OUT/plan-probe-$m-${cap:-whole}.log" 2>&1 || rc=1
   done <<< "${SESSION_PLAN_PROBES:-wan14b 2184 - resident,HEURISTIC,HEURISTIC-notrim,HEURISTIC@1}"
 fi

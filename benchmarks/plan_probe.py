@@ -32,10 +32,15 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import gzip
+import pathlib
 import platform
+import re
+import shutil
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,7 +98,7 @@ def copy_gaps(prof: Any, top: int = 8) -> dict[str, Any]:
 
 def compute_gaps(prof: Any, top: int = 8, min_us: float = 20.0) -> dict[str, Any]:
     """Kernels (not copies) of one profiled step: the time no kernel ran between the first and the last, and the
-    largest such gaps with the kernel that ended each (gaps under ``min_us`` are launch spacing, left out)."""
+    largest such gaps with the kernel each delayed (gaps under ``min_us`` are launch spacing, left out)."""
     ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name
           and "Memset" not in e.name]
     ev.sort(key=lambda e: e.time_range.start)
@@ -167,17 +172,44 @@ def time_steps(p: Prepared, steps: int, dm: Any) -> None:
         gc.enable()
 
 
+def host_syncs(p: Prepared, dm: Any) -> list[str] | None:
+    """The synchronizing calls one step of ``p`` makes (the device's sync debug mode, where it has one): each
+    stalls the host until the device is idle, so the kernels after it wait for their launches."""
+    set_mode = getattr(dm, "set_sync_debug_mode", None)
+    if set_mode is None:
+        return None
+    call_args, call_kwargs = p.inputs
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        set_mode("warn")
+        try:
+            p.model(*call_args, **call_kwargs)
+        finally:
+            set_mode("default")
+        dm.synchronize()
+    return [str(w.message).splitlines()[0][:200] for w in caught if "synchroniz" in str(w.message)]
+
+
 def finish(p: Prepared, args: argparse.Namespace, dm: Any) -> dict[str, Any]:
     """Profile one step of ``p``; its timings, plan and transfer facts; release it."""
     call_args, call_kwargs = p.inputs
     from torch.profiler import ProfilerActivity, profile
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    syncs = host_syncs(p, dm)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                  with_stack=args.trace_stacks) as prof:
         p.model(*call_args, **call_kwargs)
         dm.synchronize()
+    if args.trace:
+        path = pathlib.Path(args.trace) / (re.sub(r"[^A-Za-z0-9_.-]", "_", p.label) + ".json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        path.unlink()
     out: dict[str, Any] = {
         "variant": p.label, "step_ms": statistics.median(p.times), "steps_ms": p.times,
         "host_ms": statistics.median(p.host), "held_bytes": p.held_bytes,
-        "peak_alloc_bytes": dm.max_memory_allocated(), "compute_stream": compute_gaps(prof),
+        "peak_alloc_bytes": dm.max_memory_allocated(), "compute_stream": compute_gaps(prof), "host_syncs": syncs,
     }
     if p.name != "resident":
         rt = handle(p.model).runtimes[-1]
@@ -252,6 +284,10 @@ def main() -> None:
     ap.add_argument("--profiles", action="store_true", help="also record the unit profiles of each variant")
     ap.add_argument("--interleave", action="store_true",
                     help="keep every variant alive and time them in rotating rounds (device memory for all)")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="write each variant's profiled step as a gzipped Chrome trace into DIR")
+    ap.add_argument("--trace-stacks", action="store_true",
+                    help="with Python stacks in the traces (the host runs several times slower under them)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     be = magi_core.get_backend()

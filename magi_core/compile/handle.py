@@ -163,7 +163,7 @@ class OffloadHandle:
     def weights_changed(self) -> None:
         """Re-copy every device copy kept across calls at the next call (after edits the checks cannot see)."""
         for runtime in self.runtimes:
-            runtime.executor.watch.force()
+            runtime.executor.weights_changed()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def check_usable(self) -> None:

@@ -42,6 +42,8 @@ class StepActions:
     """Bytes kept on the device."""
     carry_at: int = -1
     """The unit before whose launch the next step's batches (:attr:`carry`) are issued (-1: the last)."""
+    resident_at: tuple[tuple[int, ...], ...] = ()
+    """Per unit: the resident weight input indices it uses first (checked for host edits just before it)."""
 
     @property
     def carry_unit(self) -> int:
@@ -145,6 +147,8 @@ def build_actions(units: list[OffloadUnit], plan: Plan, transfer_bytes: BytesFn 
         streamed_bytes=sum(transfer_bytes([nbytes[w] for w in ws]) for ws in batches),
         resident_bytes=sum(resident_w.values()),
         carry_at=plan.carry_position(n) if carry else -1,
+        resident_at=tuple(tuple(w for w in dict.fromkeys(x.input_index for x in u.weights)
+                                if w in resident_w and owner[w] == u.index) for u in units),
     )
 
 

@@ -169,8 +169,12 @@ class OffloadExecutor:
         self.plan: Plan | None = None
         self.actions: StepActions | None = None
         self.resident: ResidentSet | None = None
-        #: Notices host weights that changed between calls (resident and carried ones: copies kept across calls).
-        self.watch = WeightWatch(())
+        #: Notice host weights that changed between calls (copies kept across calls): the carried weights' watch,
+        #: asked at step start, and per unit one for the resident weights it uses first, asked just before its
+        #: launch (the sampling reads host memory far apart: past the first unit it overlaps the device's work).
+        self._carry_watch = WeightWatch(())
+        self._watches: tuple[WeightWatch | None, ...] = ()
+        self._resident_parts: tuple[range | None, ...] = ()
         self._sync_before: tuple[int, ...] = ()
         self._gate: tuple[bool, ...] = ()
         #: One step at a time: the copy stream, events, carried copies and the transfer's places are shared.
@@ -210,6 +214,21 @@ class OffloadExecutor:
         need = getattr(self.transfer, "buffer_need", None)
         return actions, int(need(actions, self._batch_sizes(actions))) if need is not None else 0
 
+    def _resident_first_use(self, actions: StepActions) -> tuple[tuple[int, ...], ...]:
+        """Per unit, the resident weights it uses first (all at the first unit for actions that do not say)."""
+        n = self.n_units
+        if len(actions.resident_at) == n and sorted(w for ws in actions.resident_at for w in ws) == sorted(
+                actions.resident):
+            return actions.resident_at
+        return (tuple(actions.resident),) + ((),) * (n - 1) if n else ()
+
+    def weights_changed(self) -> None:
+        """Copy every device copy kept across calls again at the next call (edits the checks cannot see)."""
+        self._carry_watch.force()
+        for watch in self._watches:
+            if watch is not None:
+                watch.force()
+
     def _batch_sizes(self, actions: StepActions) -> list[list[int]]:
         nbytes = {w.input_index: w.nbytes for u in self.units for w in u.weights}
         return [[nbytes[w] for w in ws] for ws in actions.batches]
@@ -219,14 +238,22 @@ class OffloadExecutor:
         self._suspended = False
         self.transfer.set_actions(actions, self._batch_sizes(actions))
         old = self.resident
-        self.resident = ResidentSet(self._store, self.device, actions.resident)
+        first_use = self._resident_first_use(actions)
+        self.resident = ResidentSet(self._store, self.device, tuple(w for ws in first_use for w in ws))
         if old is not None:
             old.close(self.transfer, self._current_stream())
         self._carry = {}
         self.plan = plan
         self.actions = actions
         carried = [w for b in actions.carry for w in actions.batches[b]]
-        self.watch = WeightWatch(tuple(dict.fromkeys((*actions.resident, *carried))))
+        self._carry_watch = WeightWatch(tuple(dict.fromkeys(carried)))
+        parts: list[range | None] = []
+        at = 0
+        for ws in first_use:
+            parts.append(range(at, at + len(ws)) if ws else None)
+            at += len(ws)
+        self._resident_parts = tuple(parts)
+        self._watches = tuple(WeightWatch(ws) if ws else None for ws in first_use)
         event = self.backend.device_module.Event
         # one event per copy batch, re-recorded each step (a wait already enqueued is not affected)
         self._batch_events = [event() for _ in actions.batches]
@@ -267,7 +294,9 @@ class OffloadExecutor:
         if self.resident is not None:
             self.resident.close(self.transfer, self._current_stream())
         self._carry = {}
-        self.watch = WeightWatch(())
+        self._carry_watch = WeightWatch(())
+        self._watches = ()
+        self._resident_parts = ()
 
     def close(self) -> None:
         """Release resident weights and carried prefetches, after the step running now (if any); later steps are
@@ -305,14 +334,13 @@ class OffloadExecutor:
             env = self._template.copy()
             self.inputs.fill(args, env)
             compute = self._current_stream()
-            changed = self.watch.changed(args)
-            resident.fill(args, env, self.transfer, compute, changed)
+            changed = self._carry_watch.changed(args)
             events: list[Any] = [None] * len(actions.batches)
             try:
                 if self.transfer.begin_step(args):  # another runtime of the model wrote the shared buffer
                     self._carry = {}
                 self._start(args, env, events, actions, changed)
-                self._units(args, env, events, actions, compute, timer)
+                self._units(args, env, events, actions, compute, resident, timer)
             except BaseException:
                 self._carry = {}
                 self.transfer.abort()
@@ -355,9 +383,11 @@ class OffloadExecutor:
         events: list[Any],
         actions: StepActions,
         compute: Any,
+        resident: ResidentSet,
         timer: UnitTimerLike | None,
     ) -> None:
         layouts = self.program.units
+        parts, watches, transfer = self._resident_parts, self._watches, self.transfer
         fns = self.fns
         done = self._done
         launch = self._launch
@@ -389,6 +419,15 @@ class OffloadExecutor:
                 self._issue_carry(args, actions)
             for b in actions.wait[u]:
                 compute.wait_event(events[b])
+            part = parts[u]
+            if part is not None:  # the resident weights this unit uses first: edited on the host since last call?
+                watch = watches[u]
+                assert watch is not None
+                try:
+                    resident.fill(args, env, transfer, compute, watch.changed(args), part)
+                except BaseException:
+                    watch.force()  # what it saw changed may not be copied: look at all of them again next call
+                    raise
             range_push(names[u])
             if timer is not None:
                 timer.start(u)

@@ -107,11 +107,13 @@ class ResidentSet:
 
     def fill(
         self, args: Sequence[Any], env: list[Any], transfer: WeightTransfer, compute_stream: Any,
-        changed: set[int] | frozenset[int] = frozenset(),
+        changed: set[int] | frozenset[int] = frozenset(), part: range | None = None,
     ) -> None:
-        """Put every resident weight's device copy into ``env``, copying what is new or ``changed`` on the host."""
-        hosts, devs, ptrs = self._hosts, self._devs, self._ptrs
-        for k, i in enumerate(self.indices):
+        """Put resident weights' device copies into ``env``, copying what is new or ``changed`` on the host: all of
+        them, or those at positions ``part`` of :attr:`indices`."""
+        hosts, devs, ptrs, indices = self._hosts, self._devs, self._ptrs, self.indices
+        for k in range(len(indices)) if part is None else part:
+            i = indices[k]
             h: torch.Tensor = args[i]
             if h is not hosts[k] or h.data_ptr() != ptrs[k]:
                 # one view of the data now: what is copied and the address recorded for it are the same storage

@@ -497,6 +497,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            pass\n",
         (("core", ("tests/compile/test_exchange.py",)),),
     ),
+    Mutation(
+        "ax", "execute: every resident weight is checked for host edits before the first unit (the sampling delays "
+        "every step instead of overlapping the device's work)",
+        "magi_core/execute/executor.py",
+        "            return actions.resident_at\n",
+        "            pass\n",
+        (("core", ("tests/execute/test_weight_updates.py",)),),
+    ),
+    Mutation(
+        "ay", "execute: a resident weight's refresh fails after its check saw the edit, and the next call trusts the "
+        "check (the stale device copy is used from then on)",
+        "magi_core/execute/executor.py",
+        "                    watch.force()  # what it saw changed may not be copied",
+        "                    pass  # what it saw changed may not be copied",
+        (("core", ("tests/execute/test_weight_updates.py",)),),
+    ),
 )
 
 
