@@ -335,12 +335,13 @@ class OffloadExecutor:
             self.inputs.fill(args, env)
             compute = self._current_stream()
             changed = self._carry_watch.changed(args)
+            made_now = frozenset() if resident.complete else resident.acquire(args, self.transfer, compute)
             events: list[Any] = [None] * len(actions.batches)
             try:
                 if self.transfer.begin_step(args):  # another runtime of the model wrote the shared buffer
                     self._carry = {}
                 self._start(args, env, events, actions, changed)
-                self._units(args, env, events, actions, compute, resident, timer)
+                self._units(args, env, events, actions, compute, resident, made_now, timer)
             except BaseException:
                 self._carry = {}
                 self.transfer.abort()
@@ -384,6 +385,7 @@ class OffloadExecutor:
         actions: StepActions,
         compute: Any,
         resident: ResidentSet,
+        made_now: frozenset[int],
         timer: UnitTimerLike | None,
     ) -> None:
         layouts = self.program.units
@@ -424,7 +426,7 @@ class OffloadExecutor:
                 watch = watches[u]
                 assert watch is not None
                 try:
-                    resident.fill(args, env, transfer, compute, watch.changed(args), part)
+                    resident.fill(args, env, transfer, compute, watch.changed(args), part, made_now)
                 except BaseException:
                     watch.force()  # what it saw changed may not be copied: look at all of them again next call
                     raise

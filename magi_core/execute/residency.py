@@ -105,39 +105,67 @@ class ResidentSet:
         self._ptrs: list[int] = [0] * len(indices)
         self.copies = 0
 
+    @property
+    def complete(self) -> bool:
+        """True once every resident weight has a device copy (after the first step of the plan)."""
+        return None not in self._hosts
+
+    def acquire(self, args: Sequence[Any], transfer: WeightTransfer, compute_stream: Any) -> frozenset[int]:
+        """Make or take over the device copy of every resident weight that has none for the host tensor passed in;
+        the positions (in :attr:`indices`) copied now, from the bytes the host holds now.
+
+        The step's first act where copies are missing: long-lived copies are allocated together, before the step's
+        streamed buffers, so that they do not split the allocator's memory between short-lived blocks."""
+        made_now: set[int] = set()
+        for k, i in enumerate(self.indices):
+            h: torch.Tensor = args[i]
+            if h is not self._hosts[k] or h.data_ptr() != self._ptrs[k]:
+                if self._take(k, h, transfer, compute_stream):
+                    made_now.add(k)
+        return frozenset(made_now)
+
     def fill(
         self, args: Sequence[Any], env: list[Any], transfer: WeightTransfer, compute_stream: Any,
         changed: set[int] | frozenset[int] = frozenset(), part: range | None = None,
+        made_now: frozenset[int] = frozenset(),
     ) -> None:
         """Put resident weights' device copies into ``env``, copying what is new or ``changed`` on the host: all of
-        them, or those at positions ``part`` of :attr:`indices`."""
+        them, or those at positions ``part`` of :attr:`indices`. ``made_now``: positions :meth:`acquire` copied in
+        this step (from the bytes ``changed`` was judged on: not copied again)."""
         hosts, devs, ptrs, indices = self._hosts, self._devs, self._ptrs, self.indices
         for k in range(len(indices)) if part is None else part:
             i = indices[k]
             h: torch.Tensor = args[i]
             if h is not hosts[k] or h.data_ptr() != ptrs[k]:
-                # one view of the data now: what is copied and the address recorded for it are the same storage
-                # even if another thread rebinds ``h.data`` meanwhile (the next step then sees the new address)
-                data = h.detach()
-                if hosts[k] is not None:
-                    old = self._store.release(id(hosts[k]), ptrs[k], self._device)
-                    if old is not None:
-                        transfer.release(old, compute_stream)
-                dev, made = self._store.acquire(h, data, self._device,
-                                                lambda t: transfer.fetch_now(t, compute_stream))
-                if not made and i in changed:  # another executor's copy, checked before this change
-                    transfer.refresh(dev, data, compute_stream)
-                devs[k] = dev
-                hosts[k] = h
-                ptrs[k] = data.data_ptr()
-                self.copies += 1
-            elif i in changed:
+                if not self._take(k, h, transfer, compute_stream) and i in changed:
+                    taken = devs[k]  # another executor's copy, checked before this change
+                    assert taken is not None
+                    transfer.refresh(taken, h.detach(), compute_stream)
+            elif i in changed and k not in made_now:
                 kept = devs[k]
                 assert kept is not None
                 # (rebound since the check above: these bytes now, and the next step sees the new address)
                 transfer.refresh(kept, h.detach(), compute_stream)
                 self.copies += 1
             env[i] = devs[k]
+
+    def _take(self, k: int, h: torch.Tensor, transfer: WeightTransfer, compute_stream: Any) -> bool:
+        """Hold the device copy of host tensor ``h`` at position ``k`` (its old one handed back); True when it was
+        copied now, False when another executor's copy was taken over."""
+        # one view of the data now: what is copied and the address recorded for it are the same storage even if
+        # another thread rebinds ``h.data`` meanwhile (the next step then sees the new address)
+        data = h.detach()
+        old_host = self._hosts[k]
+        if old_host is not None:
+            old = self._store.release(id(old_host), self._ptrs[k], self._device)
+            if old is not None:
+                transfer.release(old, compute_stream)
+        dev, made = self._store.acquire(h, data, self._device, lambda t: transfer.fetch_now(t, compute_stream))
+        self._devs[k] = dev
+        self._hosts[k] = h
+        self._ptrs[k] = data.data_ptr()
+        self.copies += 1
+        return made
 
     def close(self, transfer: WeightTransfer | None = None, compute_stream: Any = None) -> None:
         """Release every resident weight this set holds (stream-ordered through ``transfer`` when given)."""

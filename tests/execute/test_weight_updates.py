@@ -414,8 +414,14 @@ def test_resident_weights_are_checked_just_before_the_unit_that_uses_them_first(
                 return changed(self, args)
 
             monkeypatch.setattr(WeightWatch, "changed", spy_changed)
-            for u, fn in enumerate(ex.fns):
-                ex.fns[u] = (lambda u, fn: lambda a: (events.append(("run", u)), fn(a))[1])(u, fn)
+            def spy_unit(u: int, fn: Any) -> Any:
+                def run(a: list[Any]) -> Any:
+                    events.append(("run", u))
+                    return fn(a)
+
+                return run
+
+            ex.fns[:] = [spy_unit(u, fn) for u, fn in enumerate(ex.fns)]
             _edit_copy(model)  # a weight of the last block, resident: its unit refreshes it
             _edit_copy(ref)
             close(model(x), ref(x))
@@ -426,6 +432,43 @@ def test_resident_weights_are_checked_just_before_the_unit_that_uses_them_first(
                     at = checks[tuple(ws)]
                     assert runs[u] > at, f"unit {u} ran before its resident weights were checked"
                     assert u == 0 or runs[u - 1] < at, f"unit {u}'s weights were checked before unit {u - 1} ran"
+    finally:
+        magi_core.release(model)
+
+
+def test_resident_copies_are_made_before_the_steps_streamed_copies(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Long-lived copies made between a step's short-lived streamed buffers would split the allocator's memory:
+    # in every call, the resident weights' copies come first.
+    model = build_transformer(SPEC)
+    x = example_input(SPEC, tokens=5)
+    events: list[str] = []
+    fetch_now, fetch = CloningTransfer.fetch_now, CloningTransfer.fetch
+
+    def spy_fetch_now(self: CloningTransfer, host: torch.Tensor, compute_stream: Any) -> torch.Tensor:
+        events.append("resident")
+        return fetch_now(self, host, compute_stream)
+
+    def spy_fetch(self: CloningTransfer, hosts: Any, event: Any = None, batch: int | None = None) -> Any:
+        if batch is not None:
+            events.append("streamed")
+        return fetch(self, hosts, event, batch)
+
+    monkeypatch.setattr(CloningTransfer, "fetch_now", spy_fetch_now)
+    monkeypatch.setattr(CloningTransfer, "fetch", spy_fetch)
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=0.5, unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            calls = []
+            for _ in range(5):
+                events.clear()
+                model(x)
+                calls.append(list(events))
+        assert any("resident" in c for c in calls) and any("streamed" in c for c in calls)
+        for c in calls:
+            if "resident" in c and "streamed" in c:
+                assert c.index("streamed") > max(k for k, e in enumerate(c) if e == "resident"), c
     finally:
         magi_core.release(model)
 

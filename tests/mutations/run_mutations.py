@@ -513,6 +513,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                    pass  # what it saw changed may not be copied",
         (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
+    Mutation(
+        "az", "execute: a plan's resident copies are made unit by unit, between the step's streamed buffers "
+        "(long-lived blocks split the allocator's memory between short-lived ones)",
+        "magi_core/execute/executor.py",
+        "            made_now = frozenset() if resident.complete else resident.acquire(args, self.transfer, compute)\n",
+        "            made_now: frozenset[int] = frozenset()\n",
+        (("core", ("tests/execute/test_weight_updates.py",)),),
+    ),
 )
 
 
