@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -291,12 +292,18 @@ def test_cap_grid_report_section_and_plot(tmp_path: Path) -> None:
 def test_plan_probe_interleaved_times_every_variant_alive_at_once(tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
     argv = ["--model", "mlp", "--layers", "2", "--tokens", "8", "--ratio", "default", "--steps", "3",
-            "--variants", "resident,HEURISTIC,HEURISTIC@1", "--interleave", "--out", str(out)]
+            "--variants", "resident,HEURISTIC,HEURISTIC@1", "--interleave", "--trace", str(tmp_path / "traces"),
+            "--out", str(out)]
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_probe.py"), *argv], capture_output=True,
                           text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     runs = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
     assert list(runs) == ["resident", "HEURISTIC", "HEURISTIC@1"]
+    # one gzipped Chrome trace per variant, named so that any file system keeps it ('@' becomes '_')
+    traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert traces == ["HEURISTIC.json.gz", "HEURISTIC_1.json.gz", "resident.json.gz"]
+    with gzip.open(tmp_path / "traces" / "HEURISTIC.json.gz") as f:
+        assert any(e.get("cat") == "cpu_op" for e in json.load(f)["traceEvents"])  # the step's operators
     for r in runs.values():
         assert len(r["steps_ms"]) == 3 and r["step_ms"] > 0 and 0 < r["host_ms"]
     assert "units" not in runs["resident"]  # the whole model compiled, not offloaded
