@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One batched accelerator session (the lent H200): install, accelerator tests, conformance, benchmarks.
-# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|cap-grid|generate|split-cost|plan-probe|all|none]
+# Usage (on the device machine, repo root): bash benchmarks/device_session.sh [tests|demo|bench|bench-parts|multi|real-llama|real-wan|real-r0|real-gaps|real-remeasure|real-check|two-gpus|load|first-step|cap-grid|generate|split-cost|plan-probe|executor-list|all|none]
 # (none: install only, for commands run after it with PYTHONPATH=/tmp/magi-site;
 #  MAGI_SESSION_INSTALLED=1: use the install already in /tmp/magi-site, e.g. while a bench started from it runs)
 # Results and logs go to $OUT (or ./device-out when OUT is unset). The device tool brings back at most 8 files, so
@@ -181,6 +181,20 @@ if [ "$what" = plan-probe ]; then  # why the default config runs slower than its
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m magi_core bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
+fi
+if [ "$what" = executor-list ]; then  # the executor-facing suites on CUDA, one line per test (a run cut short by its
+  # time limit still names every result so far): the tests that count compiles or device bytes alone first, then the
+  # whole list in the order of SESSION_EXECUTOR_LIST
+  python3 -m pytest -v -rf -p no:cacheprovider \
+    "tests/compile/test_device_fit.py::test_ratio_one_second_input_shape_on_a_card_that_holds_the_model_once" \
+    "tests/compile/test_generate.py::test_greedy_generate_with_a_kv_cache_matches_eager" \
+    tests/compile/test_generate.py::test_inductor_units_serve_every_length_of_a_growing_cache \
+    > "$OUT/executor-alone.log" 2>&1 || rc=1
+  python3 -m pytest -v -rf -p no:cacheprovider ${SESSION_EXECUTOR_LIST:-tests/execute/test_executor.py \
+    tests/compile/test_device_fit.py tests/compile/test_generate.py tests/execute/test_weight_updates.py \
+    tests/compile/test_threads.py tests/compile/test_handle.py tests/api/test_offload_api.py tests/plan/test_spread.py} \
+    > "$OUT/executor-list.log" 2>&1 || rc=1
+  grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/executor-list.log" | grep -vc PASSED
 fi
 if [ "$what" = generate ]; then  # issue 34 item 3: llama8b generate (magi bench --generate), one process per system,
   # one JSON: the compiled resident model, magi-core HEURISTIC at ratio 0, half the weights and ratio 0.9, accelerate

@@ -8,8 +8,9 @@ the host tensor and hide exactly that bug.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -70,6 +71,23 @@ class Wide(nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+@contextlib.contextmanager
+def _offloaded(ratio: float, warm: int = 4) -> Iterator[tuple[nn.Module, nn.Module, torch.Tensor]]:
+    """A transformer offloaded at ``ratio`` (eager units) after ``warm`` calls (4: its static plan, steady state),
+    its eager twin and an input, under ``torch.no_grad``; released afterwards."""
+    model = build_transformer(SPEC)
+    ref = build_transformer(SPEC)
+    x = example_input(SPEC, tokens=5)
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="eager"))
+    try:
+        with torch.no_grad():
+            for _ in range(warm):
+                model(x)
+            yield model, ref, x
+    finally:
+        magi_core.release(model)
 
 
 @pytest.fixture(autouse=True)
@@ -371,21 +389,13 @@ def test_sparse_edit_through_data_is_seen_after_weights_changed(shm_dir: str) ->
 
 
 def test_steady_state_calls_copy_no_resident_weight_again(shm_dir: str) -> None:
-    model = build_transformer(SPEC)
-    x = example_input(SPEC, tokens=5)
-    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=1.0, unit_compiler="eager"))
-    try:
-        with torch.no_grad():
-            for _ in range(4):
-                model(x)
-            ex = magi_core.handle(model).runtime.executor
-            assert ex.resident is not None
-            copies = ex.resident.copies
-            for _ in range(3):
-                model(x)
-            assert ex.resident.copies == copies, "unchanged weights must not be copied again"
-    finally:
-        magi_core.release(model)
+    with _offloaded(1.0) as (model, _, x):
+        ex = magi_core.handle(model).runtime.executor
+        assert ex.resident is not None
+        copies = ex.resident.copies
+        for _ in range(3):
+            model(x)
+        assert ex.resident.copies == copies, "unchanged weights must not be copied again"
 
 
 def test_resident_weights_are_checked_just_before_the_unit_that_uses_them_first(
@@ -393,47 +403,38 @@ def test_resident_weights_are_checked_just_before_the_unit_that_uses_them_first(
 ) -> None:
     # Sampling host bytes reads memory far apart (milliseconds on large models): checked all before the first
     # unit, it delays every step; checked per unit, past the first it overlaps the device's work on earlier units.
-    model = build_transformer(SPEC)
-    ref = build_transformer(SPEC)
-    x = example_input(SPEC, tokens=5)
-    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=0.99, unit_compiler="eager"))
-    try:
-        with torch.no_grad():
-            for _ in range(4):
-                model(x)
-            ex = magi_core.handle(model).runtime.executor
-            assert ex.actions is not None
-            first_use = ex.actions.resident_at
-            assert sum(1 for ws in first_use if ws) >= 3, "the test needs resident weights in several units"
-            assert sorted(w for ws in first_use for w in ws) == sorted(ex.actions.resident)
-            events: list[tuple[str, Any]] = []
-            changed = WeightWatch.changed
+    with _offloaded(0.99) as (model, ref, x):
+        ex = magi_core.handle(model).runtime.executor
+        assert ex.actions is not None
+        first_use = ex.actions.resident_at
+        assert sum(1 for ws in first_use if ws) >= 3, "the test needs resident weights in several units"
+        assert sorted(w for ws in first_use for w in ws) == sorted(ex.actions.resident)
+        events: list[tuple[str, Any]] = []
+        changed = WeightWatch.changed
 
-            def spy_changed(self: WeightWatch, args: Any) -> set[int]:
-                events.append(("check", self.indices))
-                return changed(self, args)
+        def spy_changed(self: WeightWatch, args: Any) -> set[int]:
+            events.append(("check", self.indices))
+            return changed(self, args)
 
-            monkeypatch.setattr(WeightWatch, "changed", spy_changed)
-            def spy_unit(u: int, fn: Any) -> Any:
-                def run(a: list[Any]) -> Any:
-                    events.append(("run", u))
-                    return fn(a)
+        def spy_unit(u: int, fn: Any) -> Any:
+            def run(a: list[Any]) -> Any:
+                events.append(("run", u))
+                return fn(a)
 
-                return run
+            return run
 
-            ex.fns[:] = [spy_unit(u, fn) for u, fn in enumerate(ex.fns)]
-            _edit_copy(model)  # a weight of the last block, resident: its unit refreshes it
-            _edit_copy(ref)
-            close(model(x), ref(x))
-            runs = {u: k for k, (what, u) in enumerate(events) if what == "run"}
-            checks = {ix: k for k, (what, ix) in enumerate(events) if what == "check"}
-            for u, ws in enumerate(first_use):
-                if ws:
-                    at = checks[tuple(ws)]
-                    assert runs[u] > at, f"unit {u} ran before its resident weights were checked"
-                    assert u == 0 or runs[u - 1] < at, f"unit {u}'s weights were checked before unit {u - 1} ran"
-    finally:
-        magi_core.release(model)
+        monkeypatch.setattr(WeightWatch, "changed", spy_changed)
+        ex.fns[:] = [spy_unit(u, fn) for u, fn in enumerate(ex.fns)]
+        _edit_copy(model)  # a weight of the last block, resident: its unit refreshes it
+        _edit_copy(ref)
+        close(model(x), ref(x))
+        runs = {u: k for k, (what, u) in enumerate(events) if what == "run"}
+        checks = {ix: k for k, (what, ix) in enumerate(events) if what == "check"}
+        for u, ws in enumerate(first_use):
+            if ws:
+                at = checks[tuple(ws)]
+                assert runs[u] > at, f"unit {u} ran before its resident weights were checked"
+                assert u == 0 or runs[u - 1] < at, f"unit {u}'s weights were checked before unit {u - 1} ran"
 
 
 def test_resident_copies_are_made_before_the_steps_streamed_copies(
@@ -473,31 +474,24 @@ def test_resident_copies_are_made_before_the_steps_streamed_copies(
         magi_core.release(model)
 
 
-def test_an_edit_whose_refresh_failed_is_copied_at_the_next_call(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_edit_whose_refresh_failed_is_copied_at_the_next_call(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The check saw the edit, then copying it failed (out of memory, an interrupt): the next call must copy it,
     # not take the check's memory of the new bytes as a copy made.
-    model = build_transformer(SPEC)
-    ref = build_transformer(SPEC)
-    x = example_input(SPEC, tokens=5)
-    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=0.99, unit_compiler="eager"))
-    try:
-        with torch.no_grad():
-            for _ in range(4):
-                model(x)
-            transfer = magi_core.handle(model).runtime.executor.transfer
+    with _offloaded(0.99) as (model, ref, x):
+        transfer = magi_core.handle(model).runtime.executor.transfer
 
-            def failing_refresh(*args: Any) -> None:
-                raise RuntimeError("refresh failed")
+        def failing_refresh(*args: Any) -> None:
+            raise RuntimeError("refresh failed")
 
-            monkeypatch.setattr(transfer, "refresh", failing_refresh)
-            _edit_copy(model)  # the last block: resident at this ratio, in a later unit than the first
-            _edit_copy(ref)
-            with pytest.raises(RuntimeError, match="refresh failed"):
-                model(x)
-            monkeypatch.undo()
-            close(model(x), ref(x), msg="the call after a failed refresh")
-    finally:
-        magi_core.release(model)
+        monkeypatch.setattr(transfer, "refresh", failing_refresh)
+        _edit_copy(model)  # the last block: resident at this ratio, in a later unit than the first
+        _edit_copy(ref)
+        with pytest.raises(RuntimeError, match="refresh failed"):
+            model(x)
+        monkeypatch.undo()
+        close(model(x), ref(x), msg="the call after a failed refresh")
 
 
 class Counter(nn.Module):
