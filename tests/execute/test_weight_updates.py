@@ -202,6 +202,30 @@ def test_weight_edits_are_seen_by_every_input_shape(shm_dir: str, monkeypatch: p
         magi_core.release(model)
 
 
+def test_a_rebound_weight_edited_before_the_other_shape_runs_reaches_it(shm_dir: str) -> None:
+    # Shape A copies the new parameter; its bytes then change through .data (no version counter moves); shape B,
+    # running next, takes A's copy over and must copy the new bytes, not use the copy made before the edit.
+    model = build_transformer(SPEC)
+    ref = build_transformer(SPEC)
+    xs = [example_input(SPEC, tokens=5), example_input(SPEC, tokens=7, seed=1)]
+    magi_core.offload(model, magi_core.OffloadConfig(gpu_resident_weight_ratio=1.0, unit_compiler="eager"),
+                      dynamic=False)
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                for x in xs:
+                    close(model(x), ref(x))
+            _edit_assign(model)
+            _edit_assign(ref)
+            close(model(xs[0]), ref(xs[0]), msg="shape A after the rebinding")
+            for m in (model, ref):
+                m.blocks[0].attn.out.weight.data.mul_(-0.5)  # type: ignore[index, union-attr, operator]
+            close(model(xs[1]), ref(xs[1]), msg="shape B after the rebinding and the edit")
+            close(model(xs[0]), ref(xs[0]), msg="shape A after the edit")
+    finally:
+        magi_core.release(model)
+
+
 @pytest.mark.parametrize("transfer,ratio", [("per_tensor", 0.0), ("per_tensor", 0.5), ("unit", 0.0)])
 def test_a_weight_rebound_by_another_thread_reaches_every_call_whole(
     shm_dir: str, monkeypatch: pytest.MonkeyPatch, transfer: str, ratio: float

@@ -208,8 +208,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "o", "residency: the address recorded for a resident copy is read from the parameter after the copy, not "
         "from the view copied, so a param.data rebound by another thread meanwhile leaves every later call stale",
         "magi_core/execute/residency.py",
-        "                ptrs[k] = data.data_ptr()\n",
-        "                ptrs[k] = h.data_ptr()\n",
+        "        self._ptrs[k] = data.data_ptr()\n",
+        "        self._ptrs[k] = h.data_ptr()\n",
         (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
     Mutation(
@@ -232,8 +232,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "r", "residency: a resident copy another runtime (input shape) made is taken as it is, so an edit followed by "
         "a new input shape computes with the copy made before the edit",
         "magi_core/execute/residency.py",
-        "                if not made and i in changed:",
-        "                if False:",
+        "                if self._take(k, h, transfer, compute_stream):\n",
+        "                if self._take(k, h, transfer, compute_stream) or True:\n",
         (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
     Mutation(
@@ -519,6 +519,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/executor.py",
         "            made_now = frozenset() if resident.complete else resident.acquire(args, self.transfer, compute)\n",
         "            made_now: frozenset[int] = frozenset()\n",
+        (("core", ("tests/execute/test_weight_updates.py",)),),
+    ),
+    Mutation(
+        "ba", "residency: a parameter rebound between calls whose copy another input shape already made is taken as "
+        "it is (an edit through .data in between leaves this shape computing with the copy made before it)",
+        "magi_core/execute/residency.py",
+        "                if not self._take(k, h, transfer, compute_stream) and i in changed:\n",
+        "                if not self._take(k, h, transfer, compute_stream) and False:\n",
         (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
 )
