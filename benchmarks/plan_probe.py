@@ -21,8 +21,10 @@ median host time of a call issued onto an idle device (up to its return, before 
 default`` plans as ``OffloadConfig()`` does (fit the card, the policy of the variant); ``--device-memory`` caps the
 process's device memory first, as ``magi bench --device-memory`` does. ``--interleave`` keeps every variant alive
 (device and host memory for each) and times them one step each in rotating rounds, so that the device's drift over
-the run (clocks, temperature) falls on all alike. Diagnostics: nothing is asserted; results JSON with hardware and
-date.
+the run (clocks, temperature) falls on all alike. ``--trace DIR`` keeps each variant's profiled step as a gzipped
+Chrome trace (``--trace-stacks``: with Python stacks, which slow the host several times); ``host_syncs`` lists the
+synchronising calls of one step where the device has a sync debug mode. Diagnostics: nothing is asserted; results
+JSON with hardware and date.
 """
 
 from __future__ import annotations
