@@ -1,9 +1,11 @@
 """The offload executor: runs a split graph unit by unit while weights stream in on a copy stream.
 
-Per step: inputs are prepared (:mod:`.inputs`), resident weights filled in (:mod:`.weights`), copy batches
-issued where the plan's precomputed action lists say (:mod:`.actions`), each unit launched on the compute
-stream after waiting on its weights' copy events only, and each streamed weight handed back after its last
-user with ``record_stream``. The warm-up state machine (:mod:`magi_core.compile.runtime`) swaps in the static plan.
+Per step: inputs are prepared (:mod:`.inputs`), resident weights the plan has no copy of yet copied first
+(:mod:`.residency`), copy batches issued where the plan's precomputed action lists say (:mod:`.actions`), each
+unit launched on the compute stream after waiting on its weights' copy events only, and each streamed weight
+handed back after its last user with ``record_stream``. Just before each unit, the resident weights it uses first
+are checked for host edits (:mod:`.freshness`) and refreshed where they changed: past the first unit that check
+overlaps the device's work. The warm-up state machine (:mod:`magi_core.compile.runtime`) swaps in the static plan.
 
 Runs under ``torch.no_grad()``: the offload runtime is for inference.
 
