@@ -175,8 +175,8 @@ class OffloadExecutor:
         #: asked at step start, and per unit one for the resident weights it uses first, asked just before its
         #: launch (the sampling reads host memory far apart: past the first unit it overlaps the device's work).
         self._carry_watch = WeightWatch(())
-        self._watches: tuple[WeightWatch | None, ...] = ()
-        self._resident_parts: tuple[range | None, ...] = ()
+        #: Per unit: the positions in :attr:`resident` of the weights it uses first and their watch, or None.
+        self._checks: tuple[tuple[range, WeightWatch] | None, ...] = ()
         self._sync_before: tuple[int, ...] = ()
         self._gate: tuple[bool, ...] = ()
         #: One step at a time: the copy stream, events, carried copies and the transfer's places are shared.
@@ -216,20 +216,12 @@ class OffloadExecutor:
         need = getattr(self.transfer, "buffer_need", None)
         return actions, int(need(actions, self._batch_sizes(actions))) if need is not None else 0
 
-    def _resident_first_use(self, actions: StepActions) -> tuple[tuple[int, ...], ...]:
-        """Per unit, the resident weights it uses first (all at the first unit for actions that do not say)."""
-        n = self.n_units
-        if len(actions.resident_at) == n and sorted(w for ws in actions.resident_at for w in ws) == sorted(
-                actions.resident):
-            return actions.resident_at
-        return (tuple(actions.resident),) + ((),) * (n - 1) if n else ()
-
     def weights_changed(self) -> None:
         """Copy every device copy kept across calls again at the next call (edits the checks cannot see)."""
         self._carry_watch.force()
-        for watch in self._watches:
-            if watch is not None:
-                watch.force()
+        for check in self._checks:
+            if check is not None:
+                check[1].force()
 
     def _batch_sizes(self, actions: StepActions) -> list[list[int]]:
         nbytes = {w.input_index: w.nbytes for u in self.units for w in u.weights}
@@ -240,7 +232,7 @@ class OffloadExecutor:
         self._suspended = False
         self.transfer.set_actions(actions, self._batch_sizes(actions))
         old = self.resident
-        first_use = self._resident_first_use(actions)
+        first_use = actions.resident_at or ((),) * self.n_units
         self.resident = ResidentSet(self._store, self.device, tuple(w for ws in first_use for w in ws))
         if old is not None:
             old.close(self.transfer, self._current_stream())
@@ -249,13 +241,12 @@ class OffloadExecutor:
         self.actions = actions
         carried = [w for b in actions.carry for w in actions.batches[b]]
         self._carry_watch = WeightWatch(tuple(dict.fromkeys(carried)))
-        parts: list[range | None] = []
+        checks: list[tuple[range, WeightWatch] | None] = []
         at = 0
         for ws in first_use:
-            parts.append(range(at, at + len(ws)) if ws else None)
+            checks.append((range(at, at + len(ws)), WeightWatch(ws)) if ws else None)
             at += len(ws)
-        self._resident_parts = tuple(parts)
-        self._watches = tuple(WeightWatch(ws) if ws else None for ws in first_use)
+        self._checks = tuple(checks)
         event = self.backend.device_module.Event
         # one event per copy batch, re-recorded each step (a wait already enqueued is not affected)
         self._batch_events = [event() for _ in actions.batches]
@@ -297,8 +288,7 @@ class OffloadExecutor:
             self.resident.close(self.transfer, self._current_stream())
         self._carry = {}
         self._carry_watch = WeightWatch(())
-        self._watches = ()
-        self._resident_parts = ()
+        self._checks = ()
 
     def close(self) -> None:
         """Release resident weights and carried prefetches, after the step running now (if any); later steps are
@@ -391,7 +381,7 @@ class OffloadExecutor:
         timer: UnitTimerLike | None,
     ) -> None:
         layouts = self.program.units
-        parts, watches, transfer = self._resident_parts, self._watches, self.transfer
+        checks, transfer = self._checks, self.transfer
         fns = self.fns
         done = self._done
         launch = self._launch
@@ -423,10 +413,9 @@ class OffloadExecutor:
                 self._issue_carry(args, actions)
             for b in actions.wait[u]:
                 compute.wait_event(events[b])
-            part = parts[u]
-            if part is not None:  # the resident weights this unit uses first: edited on the host since last call?
-                watch = watches[u]
-                assert watch is not None
+            check = checks[u]
+            if check is not None:  # the resident weights this unit uses first: edited on the host since last call?
+                part, watch = check
                 try:
                     resident.fill(args, env, transfer, compute, watch.changed(args), part, made_now)
                 except BaseException:

@@ -501,8 +501,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ax", "execute: every resident weight is checked for host edits before the first unit (the sampling delays "
         "every step instead of overlapping the device's work)",
         "magi_core/execute/executor.py",
-        "            return actions.resident_at\n",
-        "            pass\n",
+        "        first_use = actions.resident_at or ((),) * self.n_units\n",
+        "        first_use = (tuple(actions.resident),) + ((),) * (self.n_units - 1)\n",
         (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
     Mutation(
