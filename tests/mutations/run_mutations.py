@@ -529,6 +529,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                if not self._take(k, h, transfer, compute_stream) and False:\n",
         (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
+    Mutation(
+        "bb", "residency: whether every resident weight has a copy is asked by comparing each host tensor with None "
+        "(a torch call per weight before every step's first unit)",
+        "magi_core/execute/residency.py",
+        "        return self._held == len(self.indices)\n",
+        "        return None not in self._hosts\n",
+        (("core", ("tests/execute/test_weight_updates.py",)),),
+    ),
+    Mutation(
+        "bc", "residency: a copy replaced by a new host tensor stays recorded until the new copy is made (a failed "
+        "copy leaves it released but held, and closing releases it twice)",
+        "magi_core/execute/residency.py",
+        "            self._hosts[k] = self._devs[k] = None  # released: a failed copy below leaves the position empty\n"
+        "            self._held -= 1\n",
+        "            self._held -= 0\n",
+        (("core", ("tests/execute/test_weight_updates.py",)),),
+    ),
 )
 
 
