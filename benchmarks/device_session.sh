@@ -191,7 +191,7 @@ if [ "$what" = executor-list ]; then  # the executor-facing suites on CUDA, one 
     tests/compile/test_generate.py::test_inductor_units_serve_every_length_of_a_growing_cache \
     > "$OUT/executor-alone.log" 2>&1 || rc=1
   python3 -m pytest -v -rf -p no:cacheprovider ${SESSION_EXECUTOR_LIST:-tests/execute/test_executor.py \
-    tests/compile/test_device_fit.py tests/compile/test_generate.py tests/execute/test_weight_updates.py \
+    tests/compile/test_device_fit.py tests/compile/test_generate.py tests/execute/test_weight_updates.py tests/execute/test_step_host_work.py \
     tests/compile/test_threads.py tests/compile/test_handle.py tests/api/test_offload_api.py tests/plan/test_spread.py} \
     > "$OUT/executor-list.log" 2>&1 || rc=1
   grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/executor-list.log" | grep -vc PASSED

@@ -535,7 +535,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "magi_core/execute/residency.py",
         "        return self._held == len(self.indices)\n",
         "        return None not in self._hosts\n",
-        (("core", ("tests/execute/test_weight_updates.py",)),),
+        (("core", ("tests/execute/test_step_host_work.py",)),),
     ),
     Mutation(
         "bc", "residency: a copy replaced by a new host tensor stays recorded until the new copy is made (a failed "
