@@ -232,8 +232,18 @@ class OffloadRuntime:
             if self._planned:  # planned while this call waited
                 if self._replan or self.executor.plan is None:
                     self._install_plan(args)
-                return self._planned_call(args)
+                return self._planned_step(args)
             return self._warmup_call(args)
+
+    def _planned_step(self, args: Sequence[Any]) -> Any:
+        """A planned step, planned again where another graph took this one's memory back after it was planned (a
+        thread calling another graph of the model may do so between this graph's planning and its step). Each graph
+        takes memory back at most :data:`_MAX_EVICTIONS` times, so this ends."""
+        while True:
+            try:
+                return self._planned_call(args)
+            except ExecutorSuspended:
+                self._install_plan(args)
 
     def _planned_call(self, args: Sequence[Any]) -> Any:
         """A planned step; the second one after planning is measured (the first fills resident copies)."""
@@ -255,7 +265,7 @@ class OffloadRuntime:
             self._warm_up_next_to_peers(args)
         if self.calls > w:
             self._install_static_plan(args)
-            return self._planned_call(args)
+            return self._planned_step(args)
         timer = None
         if self.calls == w:
             self.phase = "profile"

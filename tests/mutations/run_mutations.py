@@ -546,6 +546,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            self._held -= 0\n",
         (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
+    Mutation(
+        "bd", "runtime: a graph whose memory another graph took back between its planning and its step runs the step "
+        "anyway (ExecutorSuspended reaches the caller)",
+        "magi_core/compile/runtime.py",
+        "                return self._planned_step(args)\n            return self._warmup_call(args)\n",
+        "                return self._planned_call(args)\n            return self._warmup_call(args)\n",
+        (("core", ("tests/compile/test_threads.py",)),),
+    ),
 )
 
 
