@@ -20,20 +20,17 @@ import magi_core
 
 
 class Block(nn.Module):
-    """``parts`` weight matrices applied side by side and summed: as many weights per block as asked (plain
-    parameters, not a container the unit split would take for a stack of its own)."""
+    """``parts`` weight matrices whose outputs are joined: as many weights per block as asked, the same bytes and
+    the same output whatever ``parts`` (plain parameters, not a container the split would take for a stack)."""
 
     def __init__(self, parts: int, width: int = 24) -> None:
         super().__init__()
         self.parts = parts
         for i in range(parts):
-            self.register_parameter(f"w{i}", nn.Parameter(torch.randn(width, width) / width))
+            self.register_parameter(f"w{i}", nn.Parameter(torch.randn(width, width // parts) / width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x
-        for i in range(self.parts):
-            out = out + torch.tanh(x @ getattr(self, f"w{i}"))
-        return out
+        return x + torch.tanh(torch.cat([x @ getattr(self, f"w{i}") for i in range(self.parts)], dim=-1))
 
 
 class Stack(nn.Module):
@@ -71,11 +68,12 @@ class _Calls(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _host_calls(parts: int, ratio: float) -> tuple[list[str], int, int]:
+def _host_calls(parts: int, ratio: float, unit_bytes: str | None) -> tuple[list[str], int, int]:
     """The torch calls one planned step makes outside its units, its unit count and its weight count."""
     model = Stack(parts)
     x = torch.randn(3, 24)
-    cfg = magi_core.OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="eager", transfer="unit")
+    cfg = magi_core.OffloadConfig(gpu_resident_weight_ratio=ratio, unit_compiler="eager", transfer="unit",
+                                  max_unit_bytes=unit_bytes)
     magi_core.offload(model, cfg)
     try:
         with torch.no_grad():
@@ -107,11 +105,14 @@ def _host_calls(parts: int, ratio: float) -> tuple[list[str], int, int]:
         magi_core.release(model)
 
 
-@pytest.mark.parametrize("ratio", [0.99, 0.0])
-def test_a_planned_step_makes_no_torch_call_per_weight(shm_dir: str, ratio: float) -> None:
+# every weight resident in one unit (ratio 1 compiles whole), resident in one unit per block (the unit bound set:
+# each unit checks its own), and every weight streamed
+@pytest.mark.parametrize("ratio,unit_bytes", [(1.0, None), (1.0, "4KiB"), (0.0, "4KiB")])
+def test_a_planned_step_makes_no_torch_call_per_weight(shm_dir: str, ratio: float, unit_bytes: str | None) -> None:
     torch._dynamo.reset()
-    few, units_few, weights_few = _host_calls(1, ratio)
+    few, units_few, weights_few = _host_calls(1, ratio, unit_bytes)
     torch._dynamo.reset()
-    many, units_many, weights_many = _host_calls(6, ratio)
-    assert units_few == units_many >= 5 and weights_many >= 4 * weights_few
+    many, units_many, weights_many = _host_calls(6, ratio, unit_bytes)
+    assert units_few == units_many and weights_many >= 4 * weights_few
+    assert unit_bytes is None or units_few >= 6, "one unit per block expected"
     assert sorted(few) == sorted(many), "the step's own torch calls grew with the weights per unit"

@@ -570,6 +570,21 @@ def test_resident_copies_are_made_before_the_steps_streamed_copies(
         magi_core.release(model)
 
 
+def _resident_after_first_unit(model: nn.Module) -> str:
+    """The name of a parameter the plan keeps resident and first uses in a unit after the first one that uses
+    resident weights (so its check runs after device work was queued)."""
+    ex = magi_core.handle(model).runtime.executor
+    assert ex.actions is not None and ex.resident is not None
+    later = [w for ws in [ws for ws in ex.actions.resident_at if ws][1:] for w in ws]
+    assert later, "the test needs resident weights in a later unit than the first"
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    args_pos = {w: k for k, w in enumerate(ex.resident.indices)}
+    names = [by_id[id(h)] for w in later if (h := ex.resident._hosts[args_pos[w]]) is not None and id(h) in by_id
+             and h.dim() == 2]
+    assert names, "no resident matrix parameter in a later unit"
+    return names[-1]
+
+
 def test_an_edit_whose_refresh_failed_is_copied_at_the_next_call(
     shm_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -582,8 +597,11 @@ def test_an_edit_whose_refresh_failed_is_copied_at_the_next_call(
             raise RuntimeError("refresh failed")
 
         monkeypatch.setattr(transfer, "refresh", failing_refresh)
-        _edit_copy(model)  # the last block: resident at this ratio, in a later unit than the first
-        _edit_copy(ref)
+        name = _resident_after_first_unit(model)  # what is resident depends on the profiled plan
+        for m in (model, ref):
+            with torch.no_grad():
+                w = m.get_parameter(name)
+                w.copy_(torch.flip(w, dims=[0]))
         with pytest.raises(RuntimeError, match="refresh failed"):
             model(x)
         monkeypatch.undo()
