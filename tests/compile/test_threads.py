@@ -137,18 +137,25 @@ class _ByShape(torch.nn.Module):
         return torch.tanh(self.a(x)) if x.shape[0] == 3 else torch.tanh(self.b(x))
 
 
-def test_threads_with_graphs_that_take_each_others_memory_back(shm_dir: str) -> None:
-    """Threads call two graphs of a model whose budget holds one graph's weights resident, not both graphs'
-    streaming: the graph planned second takes the first one's memory back while other threads run it (their calls
-    plan it again), and every output is right; the graphs end within the budget."""
+def _by_shape_offloaded(xs: list[torch.Tensor]) -> tuple[_ByShape, list[torch.Tensor], int]:
+    """A :class:`_ByShape` model, its eager outputs for ``xs``, and the model offloaded under a budget that holds one
+    graph's weights resident, not both graphs' streaming; returns the model, the outputs and the budget."""
     torch._dynamo.reset()
     model = _ByShape().eval()
-    xs = [torch.randn(3 if s % 2 else 5, 64, generator=torch.Generator().manual_seed(s)) for s in range(THREADS)]
     with torch.no_grad():
         refs = [model(x) for x in xs]
     budget = model.a.weight.nbytes + model.a.bias.nbytes + 1024
     magi_core.offload(model, magi_core.OffloadConfig(unit_compiler="eager", transfer="unit", warmup_calls=2,
                                                      device_memory_budget_bytes=budget), dynamic=False)
+    return model, refs, budget
+
+
+def test_threads_with_graphs_that_take_each_others_memory_back(shm_dir: str) -> None:
+    """Threads call two graphs of a model whose budget holds one graph's weights resident, not both graphs'
+    streaming: the graph planned second takes the first one's memory back while other threads run it (their calls
+    plan it again), and every output is right; the graphs end within the budget."""
+    xs = [torch.randn(3 if s % 2 else 5, 64, generator=torch.Generator().manual_seed(s)) for s in range(THREADS)]
+    model, refs, budget = _by_shape_offloaded(xs)
     try:
         outs = call_from_threads(model, xs)
         for k in range(THREADS):
@@ -173,14 +180,8 @@ def test_a_graph_whose_memory_is_taken_back_between_its_planning_and_its_step_pl
     starts (found once in the threaded test above on magidev): the call plans again and runs, it does not raise
     ExecutorSuspended. The window is hit on purpose here: the other graph takes the memory back as the step begins,
     once in the fast path and once right after the plan made for it."""
-    torch._dynamo.reset()
-    model = _ByShape().eval()
     xs = [torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (3, 5)]
-    with torch.no_grad():
-        refs = [model(x) for x in xs]
-    budget = model.a.weight.nbytes + model.a.bias.nbytes + 1024
-    magi_core.offload(model, magi_core.OffloadConfig(unit_compiler="eager", transfer="unit", warmup_calls=2,
-                                                     device_memory_budget_bytes=budget), dynamic=False)
+    model, refs, _ = _by_shape_offloaded(xs)
     try:
         with torch.no_grad():
             for _ in range(3):
