@@ -232,7 +232,7 @@ class OffloadExecutor:
         self._suspended = False
         self.transfer.set_actions(actions, self._batch_sizes(actions))
         old = self.resident
-        first_use = actions.resident_at or ((),) * self.n_units
+        first_use = actions.resident_at
         self.resident = ResidentSet(self._store, self.device, tuple(w for ws in first_use for w in ws))
         if old is not None:
             old.close(self.transfer, self._current_stream())

@@ -139,10 +139,7 @@ class ResidentSet:
             i = indices[k]
             h: torch.Tensor = args[i]
             if h is not hosts[k] or h.data_ptr() != ptrs[k]:
-                if not self._take(k, h, transfer, compute_stream) and i in changed:
-                    taken = devs[k]  # another executor's copy, checked before this change
-                    assert taken is not None
-                    transfer.refresh(taken, h.detach(), compute_stream)
+                self._take(k, h, transfer, compute_stream, stale=i in changed)
             elif i in changed and k not in made_now:
                 kept = devs[k]
                 assert kept is not None
@@ -151,9 +148,12 @@ class ResidentSet:
                 self.copies += 1
             env[i] = devs[k]
 
-    def _take(self, k: int, h: torch.Tensor, transfer: WeightTransfer, compute_stream: Any) -> bool:
+    def _take(
+        self, k: int, h: torch.Tensor, transfer: WeightTransfer, compute_stream: Any, stale: bool = False,
+    ) -> bool:
         """Hold the device copy of host tensor ``h`` at position ``k`` (its old one handed back); True when it was
-        copied now, False when another executor's copy was taken over."""
+        copied now, False when another executor's copy was taken over (refreshed first where ``stale``: checked by
+        that executor before a change this one saw)."""
         # one view of the data now: what is copied and the address recorded for it are the same storage even if
         # another thread rebinds ``h.data`` meanwhile (the next step then sees the new address)
         data = h.detach()
@@ -165,6 +165,8 @@ class ResidentSet:
             if old is not None:
                 transfer.release(old, compute_stream)
         dev, made = self._store.acquire(h, data, self._device, lambda t: transfer.fetch_now(t, compute_stream))
+        if not made and stale:
+            transfer.refresh(dev, data, compute_stream)
         self._devs[k] = dev
         self._hosts[k] = h
         self._held += 1

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.torch_calls import TorchCalls
 from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 from torch import nn
 
@@ -53,21 +54,6 @@ class Stack(nn.Module):
 METADATA = frozenset({"data_ptr", "__get__"})
 
 
-class _Calls(torch.overrides.TorchFunctionMode):
-    """Counts torch calls while active, except while ``paused`` (inside a unit)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.paused = False
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", repr(func))
-        if not self.paused and name not in METADATA:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def _host_calls(parts: int, ratio: float, unit_bytes: str | None) -> tuple[list[str], int, int]:
     """The torch calls one planned step makes outside its units, its unit count and its weight count."""
     model = Stack(parts)
@@ -80,7 +66,7 @@ def _host_calls(parts: int, ratio: float, unit_bytes: str | None) -> tuple[list[
             for _ in range(4):
                 model(x)
             ex = magi_core.handle(model).runtime.executor
-            mode = _Calls()
+            mode = TorchCalls(ignore=METADATA)
 
             def paused(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 def call(a: Any) -> Any:

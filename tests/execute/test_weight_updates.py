@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.copying import CloningTransfer
+from helpers.torch_calls import TorchCalls
 from host_workers.common import shm_dir_fixture  # noqa: F401  (fixture)
 from torch import nn
 
@@ -395,18 +396,6 @@ def test_resident_copy_and_its_recorded_address_come_from_one_view() -> None:
     assert len(store) == 0  # nothing orphaned under the old address
 
 
-class _TorchCalls(torch.overrides.TorchFunctionMode):
-    """Records every torch function called while it is active (Python-level tensor methods included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[Any] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 def test_resident_set_says_it_is_complete_without_touching_a_tensor() -> None:
     """``complete`` is asked before every step: answered from a count, not by comparing each host tensor with None
     through torch (found on the H200: 1160 such comparisons put 10 ms before a Flux step's first kernel)."""
@@ -419,7 +408,7 @@ def test_resident_set_says_it_is_complete_without_touching_a_tensor() -> None:
     env: list[Any] = [None] * 3
     seen = []
     for part in (range(0, 1), range(1, 3)):
-        with _TorchCalls() as mode:
+        with TorchCalls() as mode:
             seen.append(resident.complete)
         assert mode.calls == []
         resident.fill(ps, env, transfer, compute, part=part)

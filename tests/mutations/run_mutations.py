@@ -501,7 +501,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ax", "execute: every resident weight is checked for host edits before the first unit (the sampling delays "
         "every step instead of overlapping the device's work)",
         "magi_core/execute/executor.py",
-        "        first_use = actions.resident_at or ((),) * self.n_units\n",
+        "        first_use = actions.resident_at\n",
         "        first_use = (tuple(actions.resident),) + ((),) * (self.n_units - 1)\n",
         (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
@@ -525,8 +525,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ba", "residency: a parameter rebound between calls whose copy another input shape already made is taken as "
         "it is (an edit through .data in between leaves this shape computing with the copy made before it)",
         "magi_core/execute/residency.py",
-        "                if not self._take(k, h, transfer, compute_stream) and i in changed:\n",
-        "                if not self._take(k, h, transfer, compute_stream) and False:\n",
+        "                self._take(k, h, transfer, compute_stream, stale=i in changed)\n",
+        "                self._take(k, h, transfer, compute_stream, stale=False)\n",
         (("core", ("tests/execute/test_weight_updates.py",)),),
     ),
     Mutation(
