@@ -96,6 +96,14 @@ class SourceKeeper:
         """Forget everything held (the device is idle or the caller synchronised it)."""
         self._held.clear()
 
+    def drain(self) -> None:
+        """Wait for every held copy to complete, then forget its sources: nothing then keeps the host memory mapped
+        (a released model's mappings are unmapped only once no tensor views them)."""
+        held = self._held
+        while held:
+            held[0][0].synchronize()
+            held.popleft()
+
 
 class PerTensorTransfer:
     """One non-blocking host-to-device copy per weight on a dedicated copy stream, one event per batch.
@@ -135,7 +143,8 @@ class PerTensorTransfer:
         return measured_Bps
 
     def close(self) -> None:
-        """Nothing kept per plan."""
+        """Wait for the queued copies and drop the host views they read."""
+        self._sources.drain()
 
     def release_buffer(self) -> None:
         """No buffer to give up: its copies are allocated per fetch (the executor drops the carried ones)."""

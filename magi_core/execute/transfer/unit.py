@@ -230,11 +230,13 @@ class UnitTransfer(PerTensorTransfer):
         return sum(align_up(n) for n in sizes)
 
     def close(self) -> None:
-        """Forget the plan's buffer (after the compute stream's queued work, which may still read it)."""
+        """Forget the plan's buffer (after the compute stream's queued work, which may still read it), and the host
+        views its queued copies read once they are done."""
         self.release_buffer()
         if self.shared is not None:
             self.shared.leave(self)
             self.shared = None
+        self._sources.drain()
 
     def abort(self) -> None:
         """A step failed part way: no fetched weight will be released, so every place counts as free again."""
