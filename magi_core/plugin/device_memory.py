@@ -3,7 +3,9 @@
 :func:`memory_from_module` is what ``Backend.device_memory`` falls back to for a backend without
 ``magi_device_memory``. :class:`FractionCap` implements both device-memory hooks for a device module that mirrors
 CUDA's device module (``mem_get_info``, ``memory_reserved``, ``memory_allocated`` and
-``set_per_process_memory_fraction``), as the CUDA and MUSA backends do::
+``set_per_process_memory_fraction``), as the CUDA and MUSA backends do. The device's whole size is the larger of
+``mem_get_info``'s total and ``get_device_properties(i).total_memory`` (:func:`device_capacity`): a module whose
+``mem_get_info`` reports a fraction's cap as its total needs the latter::
 
     _CAP = FractionCap("mydev", lambda: torch.mydev)
 
@@ -43,6 +45,23 @@ def _cached_unused(module: Any, device_index: int) -> int:
     if not callable(reserved) or not callable(allocated):
         return 0
     return max(0, int(reserved(device_index)) - int(allocated(device_index)))
+
+
+def device_capacity(module: Any, device_index: int) -> int:
+    """The device's whole memory in bytes, whatever fraction this process set.
+
+    The larger of ``mem_get_info``'s total and ``get_device_properties(i).total_memory`` where the module has it
+    (torch.cuda, torch_musa, torch.xpu): a module whose ``mem_get_info`` reports a fraction's cap as its total needs
+    the latter for a cap to be changed or lifted.
+    """
+    total = int(module.mem_get_info(device_index)[1])
+    props = getattr(module, "get_device_properties", None)
+    if callable(props):
+        try:
+            total = max(total, int(props(device_index).total_memory))
+        except Exception:  # noqa: BLE001 - a binding without the field: mem_get_info's total
+            pass
+    return total
 
 
 def memory_from_module(module: Any, device_index: int) -> DeviceMemory | None:
@@ -89,7 +108,7 @@ class FractionCap:
         with self._lock:
             return dict(self._caps)
 
-    def _cap(self, module: Any, device_index: int, total: int) -> int | None:
+    def _cap(self, module: Any, device_index: int) -> int | None:
         with self._lock:
             cap = self._caps.get(device_index)
         if cap is not None:
@@ -99,9 +118,9 @@ class FractionCap:
             return None
         try:
             fraction = float(get(device_index))
+            return int(fraction * device_capacity(module, device_index)) if 0.0 <= fraction < 1.0 else None
         except Exception:  # an older binding, or one that cannot answer: no cap known
             return None
-        return int(fraction * total) if 0.0 <= fraction < 1.0 else None
 
     def device_memory(self, device_index: int) -> DeviceMemory | None:
         """What ``magi_device_memory`` returns: the module's figures, limited by the cap when one is set."""
@@ -109,7 +128,7 @@ class FractionCap:
         seen = memory_from_module(module, device_index)
         if seen is None:
             return None
-        cap = self._cap(module, device_index, seen.total)
+        cap = self._cap(module, device_index)
         if cap is None:
             return seen
         allocated = int(module.memory_allocated(device_index))
@@ -125,7 +144,7 @@ class FractionCap:
                 f"backend {self.backend} cannot cap device memory: {name} has no set_per_process_memory_fraction "
                 "(an older release of the vendor's torch extension); upgrade it, or run without a cap"
             )
-        _, total = (int(v) for v in module.mem_get_info(device_index))
+        total = device_capacity(module, device_index)
         if nbytes > total:
             raise BackendError(
                 f"backend {self.backend} cannot cap device {device_index} at {nbytes} B ({_gib(nbytes)}): the device "
@@ -141,4 +160,4 @@ class FractionCap:
                     _gib(nbytes), _gib(total))
 
 
-__all__ = ["FractionCap", "memory_from_module"]
+__all__ = ["FractionCap", "device_capacity", "memory_from_module"]

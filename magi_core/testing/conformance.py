@@ -197,6 +197,20 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def _lift_cap(backend: Backend, total: int) -> str | None:
+    """Cap at the device's total (a lift) and free the cache; what it raised, or None."""
+    try:
+        backend.limit_device_memory(total)
+    except Exception as exc:  # noqa: BLE001 - reported by the caller, after whatever failed first
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        backend.device_module.synchronize()
+        empty = getattr(backend.device_module, "empty_cache", None)
+        if empty is not None:
+            empty()
+    return None
+
+
 def test_limit_device_memory(magi_backend: Backend, magi_backend_record: BackendRecord) -> None:
     """A cap makes device_memory's total the cap and an allocation past it fails with the device's out-of-memory error;
     a cap at the device's total lifts it, one above it is refused; skipped where the backend cannot cap."""
@@ -252,11 +266,12 @@ def test_limit_device_memory(magi_backend: Backend, magi_backend_record: Backend
             f"{hook}: a cap above the device's {before.total} B was accepted; raise BackendError (a cap emulates a "
             "smaller card, never a larger one)")
     finally:
-        magi_backend.limit_device_memory(before.total)
-        magi_backend.device_module.synchronize()
-        empty = getattr(magi_backend.device_module, "empty_cache", None)
-        if empty is not None:
-            empty()
+        # a lift that raises must not hide the check that failed before it: it is reported after
+        lift_error = _lift_cap(magi_backend, before.total)
+    if lift_error is not None:
+        pytest.fail(f"{hook}: a cap at the device's total ({before.total} B) must lift the cap; it raised "
+                    f"{lift_error}. Compute the cap's fraction of the whole device, not of the current cap",
+                    pytrace=False)
     after = magi_backend.device_memory()
     assert after is not None and after.total == before.total, (
         f"{hook}: a cap at the device's total ({before.total} B) must lift the cap; magi_device_memory then reports "

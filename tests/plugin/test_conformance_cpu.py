@@ -165,3 +165,45 @@ def test_kit_names_the_hook_when_register_raises_something_else(tmp_path: Path) 
         assert re.search(r"magi_host_register: .* raised RuntimeError: vendor runtime exploded", body), body
         assert "During handling" not in body, body
         assert not re.search(r"^>", body, re.M), (name, body)
+
+
+CAP_THAT_CANNOT_LIFT = """
+import os
+from magi_core.plugin import DeviceMemory
+TOTAL = 8 << 30
+CAPS = {}
+
+@hookimpl
+def magi_device_memory(device_index):
+    cap = CAPS.get(device_index, TOTAL)
+    if os.environ.get("FAKE_CAP_SHOWN", "1") == "0":
+        cap = TOTAL  # a cap that does not show in device_memory: the check fails before the lift
+    return DeviceMemory(free=cap // 2, total=cap)
+
+@hookimpl
+def magi_limit_device_memory(device_index, nbytes):
+    seen = CAPS.get(device_index, TOTAL)  # the cap taken for the device's size: a lift is refused
+    if nbytes > seen:
+        raise RuntimeError(f"cannot cap at {nbytes}: the device has {seen}")
+    CAPS[device_index] = nbytes
+"""
+
+
+@pytest.mark.parametrize("cap_shown", ["1", "0"])
+def test_kit_reports_a_cap_that_cannot_be_lifted_without_hiding_an_earlier_failure(tmp_path: Path,
+                                                                                   cap_shown: str) -> None:
+    # "ipu": a device type without kernels here, so the kit skips its allocation check and reaches the lift
+    source = backend_source("ipu", -20, omit=["magi_device_memory", "magi_limit_device_memory"],
+                            extra=CAP_THAT_CANNOT_LIFT)
+    write_dist(tmp_path / "site", "magi-backend-caps", {"fake_caps": source}, {"caps": "fake_caps"})
+    env = python_env([tmp_path / "site"], {"FAKE_CAP_SHOWN": cap_shown})
+    argv = [*KIT, "--magi-backend=caps", "--rootdir", str(tmp_path), "-k", "limit_device_memory"]
+    run = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+                         stdin=subprocess.DEVNULL)
+    assert "1 failed" in run.stdout, run.stdout[-3000:]
+    if cap_shown == "1":
+        assert re.search(r"magi_limit_device_memory: a cap at the device's total \(8589934592 B\) must lift the cap; "
+                         r"it raised BackendError: .*cannot cap at 8589934592", run.stdout), run.stdout[-3000:]
+    else:  # the first failure is the one reported, not the lift's error raised while cleaning up
+        assert "magi_device_memory: after a cap of" in run.stdout and "report the cap as total" in run.stdout
+        assert "must lift the cap" not in run.stdout, run.stdout[-3000:]

@@ -190,6 +190,46 @@ def test_fraction_cap_refuses_a_module_without_the_setter_naming_it() -> None:
     assert cap.device_memory(0) == DeviceMemory(free=11 * GIB, total=16 * GIB) and cap.caps() == {}
 
 
+class _CapReportingModule(_Module):
+    """A device module whose ``mem_get_info`` reports the process's fraction as the card (torch_magidev does), with
+    ``get_device_properties`` giving the whole card."""
+
+    def mem_get_info(self, device: int | None = None) -> tuple[int, int]:
+        cap = int(self.fraction * self.total)
+        return max(0, cap - self.allocated), cap
+
+    def get_device_properties(self, device: int | None = None) -> Any:
+        return types.SimpleNamespace(name="fakedev", total_memory=self.total)
+
+
+def test_fraction_cap_changes_and_lifts_a_cap_where_mem_get_info_reports_the_cap() -> None:
+    """The fraction is of the whole card, so a second cap and a lift (a cap at the card's size) are what they say,
+    also where ``mem_get_info``'s total is the current cap."""
+    module = _CapReportingModule(total=16 * GIB, allocated=GIB)
+    cap = FractionCap("fakedev", lambda: module)
+    cap.limit(0, 8 * GIB)
+    assert module.fraction == 0.5 and cap.device_memory(0) == DeviceMemory(free=7 * GIB, total=8 * GIB)
+    cap.limit(0, 4 * GIB)
+    assert module.fraction == 0.25 and cap.device_memory(0) == DeviceMemory(free=3 * GIB, total=4 * GIB)
+    cap.limit(0, 16 * GIB)
+    assert module.fraction == 1.0 and cap.caps() == {} and cap.device_memory(0).total == 16 * GIB
+    with pytest.raises(BackendError, match=r"the device has 17179869184 B \(16.00 GiB\)"):
+        cap.limit(0, 17 * GIB)
+    # a fraction set on the module directly counts as a cap of that share of the whole card
+    module.get_per_process_memory_fraction = lambda device=None: module.fraction
+    module.set_per_process_memory_fraction(0.125, 0)
+    assert cap.device_memory(0) == DeviceMemory(free=GIB, total=2 * GIB)
+
+
+def test_fraction_cap_takes_the_larger_total_where_a_module_has_both() -> None:
+    """A CUDA-like module whose properties say less than ``mem_get_info``: the device's total stays the latter."""
+    module = _Module(total=16 * GIB)
+    module.get_device_properties = lambda device=None: types.SimpleNamespace(total_memory=15 * GIB)
+    cap = FractionCap("fakedev", lambda: module)
+    cap.limit(0, 16 * GIB)
+    assert module.fraction == 1.0 and cap.caps() == {}
+
+
 # -- sizes: bytes and percentages ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(("size", "parsed"), [
     (1000, (1000, None)), ("12GiB", (12 * GIB, None)), ("512 MiB", (512 * MIB, None)), ("16e9", (16 * 10**9, None)),

@@ -88,6 +88,27 @@ def test_device_memory_hooks_cap_the_device(backend):
     assert backend.device_memory().total == total
 
 
+def test_fraction_cap_over_torch_magidev_changes_and_lifts_caps(backend):
+    """magi_core.plugin.FractionCap, as a backend author would bind it to torch.magidev (whose mem_get_info reports
+    the cap as the total): caps are fractions of the whole device, a second cap replaces the first, the device's size
+    lifts it."""
+    from magi_core.plugin import FractionCap
+
+    cap = FractionCap("magidev", lambda: torch_magidev)
+    total = torch_magidev.get_device_properties(0).total_memory
+    assert total == torch_magidev.total_memory()
+    try:
+        cap.limit(0, total // 2)
+        cap.limit(0, total // 4)
+        assert torch_magidev.get_per_process_memory_fraction() == pytest.approx(0.25)
+        assert torch_magidev.mem_get_info()[1] == total // 4 and cap.device_memory(0).total == total // 4
+        cap.limit(0, total)
+        assert torch_magidev.get_per_process_memory_fraction() == 1.0 and cap.caps() == {}
+    finally:
+        torch_magidev.set_per_process_memory_fraction(1.0)
+    assert cap.device_memory(0).total == total
+
+
 def test_host_register_round_trip_uses_the_runtime_table(backend):
     buf = torch.empty(1 << 16, dtype=torch.uint8)
     ptr = buf.data_ptr()

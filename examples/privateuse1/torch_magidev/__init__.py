@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -95,6 +96,19 @@ def device(device: Any) -> Iterator[None]:
 def get_device_name(device: Any = None) -> str:
     """The device's name (says it is emulated)."""
     return f"magidev {_state.index_of(device)} (emulated, host memory)"
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What :func:`get_device_properties` returns: the fields of ``torch.cuda``'s that a backend reads."""
+
+    name: str
+    total_memory: int
+
+
+def get_device_properties(device: Any = None) -> DeviceProperties:
+    """The device's name and whole memory (``MAGIDEV_TOTAL_MEMORY``, whatever cap the process set), as torch.cuda."""
+    return DeviceProperties(name=get_device_name(device), total_memory=total_memory(device))
 
 
 def runtime() -> Runtime:
@@ -190,9 +204,10 @@ def _install() -> None:
 _install()
 
 __all__ = [
-    "DEVICE_TYPE", "EMULATED", "Event", "MagidevTensor", "Runtime", "Stream", "StreamOrderError", "Violation",
-    "checker", "current_device", "current_stream", "default_stream", "device", "device_count", "empty_cache",
-    "get_device_name", "get_per_process_memory_fraction", "get_rng_state", "initial_seed", "is_available",
+    "DEVICE_TYPE", "EMULATED", "DeviceProperties", "Event", "MagidevTensor", "Runtime", "Stream", "StreamOrderError",
+    "Violation", "checker", "current_device", "current_stream", "default_stream", "device", "device_count",
+    "empty_cache", "get_device_name", "get_device_properties", "get_per_process_memory_fraction", "get_rng_state",
+    "initial_seed", "is_available",
     "is_initialized", "live_blocks", "manual_seed", "manual_seed_all", "max_memory_allocated", "max_memory_reserved",
     "mem_get_info", "memory_allocated", "memory_reserved", "reset_peak_memory_stats", "runtime", "seed", "seed_all",
     "set_device", "set_per_process_memory_fraction", "set_rng_state", "set_stream", "stats", "stream",
