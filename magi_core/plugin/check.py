@@ -215,8 +215,8 @@ def check_backend(name: str, records: dict[str, BackendRecord] | None = None) ->
         return report
     for hook in rec.unknown_hooks:
         report.add(hook, f"is not a hook of spec {HOOKSPEC_VERSION} (never called)",
-                   "rename it to the hook you mean (the API reference's \"Hook specification\" page, "
-                   "docs/reference/hooks.md) or drop the @hookimpl marker")
+                   "rename it to the hook you mean (the \"Hook specification\" page of the docs, "
+                   "docs/reference/hooks.md, generated from magi_core/plugin/spec.py) or drop the @hookimpl marker")
     for hook in rec.missing_required:
         report.add(hook, "required hook missing (the backend is refused)", "implement it with @hookimpl")
     if rec.missing_required:

@@ -51,8 +51,8 @@ def device_capacity(module: Any, device_index: int) -> int:
     """The device's whole memory in bytes, whatever fraction this process set.
 
     The larger of ``mem_get_info``'s total and ``get_device_properties(i).total_memory`` where the module has it
-    (torch.cuda, torch_musa, torch.xpu): a module whose ``mem_get_info`` reports a fraction's cap as its total needs
-    the latter for a cap to be changed or lifted.
+    (CUDA's, MUSA's and XPU's device modules): a module whose ``mem_get_info`` reports a fraction's cap as its
+    total needs the latter for a cap to be changed or lifted.
     """
     total = int(module.mem_get_info(device_index)[1])
     props = getattr(module, "get_device_properties", None)

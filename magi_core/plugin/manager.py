@@ -121,8 +121,8 @@ class BackendRecord:
         if self.missing_required:
             return (
                 f"missing required hook(s) {', '.join(self.missing_required)}; "
-                "implement them with @magi_core.plugin.hookimpl (see the API reference's \"Hook specification\" page, "
-                "docs/reference/hooks.md)"
+                "implement them with @magi_core.plugin.hookimpl (see the \"Hook specification\" page of the docs, "
+                "docs/reference/hooks.md, generated from magi_core/plugin/spec.py)"
             )
         if self.spec_error is not None:
             return (f"magi_hookspec_versions failed: {_describe_exception(self.spec_error)}; return the spec "
@@ -281,9 +281,11 @@ def _load(rec: BackendRecord, ep: importlib_metadata.EntryPoint) -> None:
     try:
         pm.register(plugin, name=rec.name)
     except pluggy.PluginValidationError as exc:
+        detail = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line in listings
         rec.load_error = BackendError(
-            f"a hook implementation does not match magi-core's hook spec {HOOKSPEC_VERSION}: {exc}; "
-            "fix its signature (see the API reference's \"Hook specification\" page, docs/reference/hooks.md)"
+            f"a hook implementation does not match magi-core's hook spec {HOOKSPEC_VERSION}: {detail}; fix its "
+            "signature to the spec's argument names (the \"Hook specification\" page of the docs, "
+            "docs/reference/hooks.md, generated from magi_core/plugin/spec.py)"
         )
         logger.error("magi backend %r (%s) rejected by hook validation: %s", rec.name, rec.package, exc)
         return

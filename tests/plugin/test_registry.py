@@ -325,7 +325,8 @@ def test_hookimpl_failing_pluggy_validation_is_a_load_error(tmp_path: Path) -> N
     out, run = select_and_list([tmp_path], select="magi_core.use_backend('typo')")
     err = out["backends"]["typo"]["load_error"]
     assert "does not match magi-core's hook spec" in err and "magi_host_register" in err and "size" in err
-    assert "docs/reference/hooks.md" in err
+    assert "docs/reference/hooks.md" in err and "\n" not in err  # one line: the listing shows all of it
+    assert "Argument(s) {'size'} are declared in the hookimpl" in err
     assert "typo" in out["error"] and "failed to load" in out["error"]
     assert "rejected by hook validation" in run.stderr
 
