@@ -172,6 +172,14 @@ def test_source_paths_refused_with_advice(tmp_path: Path) -> None:
     (tmp_path / "bad.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
     with pytest.raises(WeightSourceError, match="header is not JSON"):
         open_source(tmp_path / "bad.safetensors")
+    deep = b"[" * 100_000  # deeper than Python's JSON parser goes: a damaged file, not a RecursionError
+    (tmp_path / "deep.safetensors").write_bytes(len(deep).to_bytes(8, "little") + deep)
+    with pytest.raises(WeightSourceError, match=r"deep.safetensors: not a safetensors file \(its header nests JSON"):
+        open_source(tmp_path / "deep.safetensors")
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "model.safetensors.index.json").write_bytes(deep)
+    with pytest.raises(WeightSourceError, match=r"cannot read the checkpoint index .*index.json: its JSON nests"):
+        open_source(tmp_path / "deep" / "model.safetensors.index.json")
     save_file({"w": torch.ones(4)}, str(tmp_path / "one.safetensors"))
     data = (tmp_path / "one.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[:-4])
@@ -395,3 +403,51 @@ def test_load_end_to_end_offloads_and_runs(shm_dir: str, tmp_path: Path, caplog:
         again = nn.Linear(2, 2).eval()
     with pytest.raises(magi_core.host.HostStateError, match="magi_core.load"):
         magi_core.offload(again, host_options=OPTS)
+
+
+class _Scaled(nn.Module):
+    """A linear layer and a non-persistent buffer its constructor computes."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.register_buffer("scale", torch.arange(n, dtype=torch.float32), persistent=False)
+
+
+def test_sources_of_another_shape_for_buffers_and_empty_tensors_are_refused(shm_dir: str, tmp_path: Path) -> None:
+    """A non-persistent buffer the source holds with another shape, and an empty model tensor whose source tensor is
+    not empty, are mis-shaped like any weight: named in the error, and the model left as it was."""
+    sd = {k: v.contiguous() for k, v in nn.Sequential(_Scaled(), _Scaled()).state_dict().items()}
+    sd["0.scale"], sd["1.scale"] = torch.arange(4.0), torch.arange(5.0)  # the second of another shape
+    save_file(sd, str(tmp_path / "buffers.safetensors"))
+    with torch.device("meta"):
+        m = nn.Sequential(_Scaled(), _Scaled()).eval()
+    before = {n: b for n, b in m.named_buffers()}
+    with pytest.raises(WeightSourceError, match=r"1 tensor\(s\) have another shape in the source: "
+                                                r"'1.scale: source \[5\], model \[4\]'.*left unchanged"):
+        materialize(m, options=OPTS, source=tmp_path / "buffers.safetensors")
+    assert all(b is before[n] and b.is_meta for n, b in m.named_buffers())  # the first buffer put back too
+    save_file({"weight": torch.randn(4, 8), "bias": torch.randn(4)}, str(tmp_path / "linear.safetensors"))
+    with torch.device("meta"):
+        empty = nn.Linear(8, 0)
+    with pytest.raises(WeightSourceError, match=r"2 tensor\(s\) have another shape in the source: "
+                                                r"'weight: source \[4, 8\], model \[0, 8\]', 'bias: source \[4\]"):
+        materialize(empty, options=OPTS, source=tmp_path / "linear.safetensors")
+    assert empty.weight.is_meta and empty.bias.is_meta
+    assert _files(shm_dir) == [] and registered_ranges() == {}
+
+
+def test_loading_into_a_released_model_is_refused(shm_dir: str, tmp_path: Path) -> None:
+    """release() without restore empties the model's tensors: filling it again would load nothing, so it is
+    refused up front, saying to build the model again."""
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    save_file(ref.state_dict(), str(tmp_path / "m.safetensors"))
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    hw = materialize(m, options=OPTS, source=tmp_path / "m.safetensors")
+    hw.release()
+    for source in (tmp_path / "m.safetensors", None):
+        with pytest.raises(magi_core.MagiError, match=r"Sequential: its host weights were released .* Build the "
+                                                      r"model again"):
+            materialize(m, options=OPTS, source=source)
+    assert _files(shm_dir) == [] and registered_ranges() == {}

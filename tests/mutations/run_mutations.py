@@ -554,6 +554,36 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                return self._planned_call(args)\n            return self._warmup_call(args)\n",
         (("core", ("tests/compile/test_threads.py",)),),
     ),
+    Mutation(
+        "be", "transfer: closing a model forgets the plan's buffer but keeps the host views its last copies read (a "
+        "released model's mapping stays mapped)",
+        "magi_core/execute/transfer/unit.py",
+        "            self.shared = None\n        self._sources.drain()\n",
+        "            self.shared = None\n",
+        (("privateuse1", ("examples/privateuse1/tests/test_resident_release.py",)),),
+    ),
+    Mutation(
+        "bf", "FractionCap: the device's size is mem_get_info's total alone (a cap that reports itself as the total "
+        "makes the next cap a fraction of the cap, and refuses the lift)",
+        "magi_core/plugin/device_memory.py",
+        "            total = max(total, int(props(device_index).total_memory))\n",
+        "            pass\n",
+        (("core", ("tests/plugin/test_device_memory.py",)),),
+    ),
+    Mutation(
+        "bg", "load: a model released without restore is filled again (its empty tensors load nothing)",
+        "magi_core/host/materialize/orchestrate.py",
+        "    if setup is None and was_released(model):\n",
+        "    if False:\n",
+        (("core", ("tests/host/test_host_loading.py",)),),
+    ),
+    Mutation(
+        "bh", "load: an empty model tensor is not matched against the source's shape",
+        "magi_core/host/loading/loader.py",
+        "                if info is not None and tuple(info.shape) != tuple(e.size):\n",
+        "                if False:\n",
+        (("core", ("tests/host/test_host_loading.py",)),),
+    ),
 )
 
 

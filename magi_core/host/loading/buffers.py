@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from magi_core.host.loading.base import Staging, WeightSource
+from magi_core.host.loading.base import ShapeMismatch, Staging, WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ class BufferFix:
     replaced: list[tuple[nn.Module, str, torch.Tensor]] = field(default_factory=list)
     how: dict[str, str] = field(default_factory=dict)
     unresolved: list[str] = field(default_factory=list)
+    #: Buffers the source holds with another shape, left on the meta device (matching reports them).
+    misshaped: list[str] = field(default_factory=list)
 
     def undo(self) -> None:
         """Put the meta buffers back."""
@@ -166,10 +168,11 @@ def _by_constructor(module: nn.Module, names: list[str]) -> tuple[dict[str, torc
 
 
 def resolve(model: nn.Module, source: WeightSource, staging: Staging,
-            rename: Callable[[str], str | None] | None = None) -> BufferFix:
+            rename: Callable[[str], str | None] | None = None, fix: BufferFix | None = None) -> BufferFix:
     """Give every non-persistent buffer on the meta device real values (see the module docstring); what cannot be
-    resolved is listed in ``unresolved``. Undo with :meth:`BufferFix.undo`."""
-    fix = BufferFix()
+    resolved is listed in ``unresolved``, what the source holds with another shape in ``misshaped``. Undo with
+    :meth:`BufferFix.undo`; ``fix`` (filled as buffers are replaced) can undo a call that raised part way."""
+    fix = BufferFix() if fix is None else fix
     names = source.names()
     by_model: dict[str, str] = {}
     if names is not None:
@@ -188,11 +191,19 @@ def resolve(model: nn.Module, source: WeightSource, staging: Staging,
             if src is not None:
                 want = module._buffers[b]
                 assert want is not None
+                info = source.info(src)
+                if info is not None and tuple(info.shape) != tuple(want.shape):
+                    fix.misshaped.append(dot + b)
+                    continue
                 t = torch.empty(want.shape, dtype=want.dtype)
-                source.read_into(src, t, staging)
+                try:
+                    source.read_into(src, t, staging)
+                except ShapeMismatch:  # a source that knows shapes only when read (a function)
+                    fix.misshaped.append(dot + b)
+                    continue
                 values[b] = t
                 fix.how[dot + b] = f"read from the source ({src})"
-        left = [b for b in pending if b not in values]
+        left = [b for b in pending if b not in values and dot + b not in fix.misshaped]
         if left:
             got = _by_reset(module, left)
             for b in got:

@@ -84,7 +84,8 @@ class Loader:
     # -- before anything is placed --------------------------------------------------------------------------
     def resolve_buffers(self, model: nn.Module) -> None:
         """Give the non-persistent buffers on the meta device values (:func:`buffers.resolve`)."""
-        self.fix = buffers.resolve(model, self.source, self.staging, self.rename)
+        self.fix = buffers.BufferFix()  # filled as it goes: a resolve that raises part way is undone with it
+        buffers.resolve(model, self.source, self.staging, self.rename, self.fix)
 
     def set_window(self, weight_bytes: int, explicit: int | None) -> None:
         """Size the staging buffer for ``weight_bytes`` of weights."""
@@ -93,10 +94,16 @@ class Loader:
     def match(self, slots: list[Slot], entries: list[Entry]) -> None:
         """Decide how every slot is filled; collect missing, unexpected and mis-shaped tensors."""
         listed = self._by_model
-        for e in entries:  # empty meta tensors get empty host tensors (no slot holds them)
-            if e.is_meta and e.tensor.numel() == 0:
-                self._replace_empty(e)
         used: set[str] = set()
+        for e in entries:  # empty meta tensors get empty host tensors (no slot holds them), if the source agrees
+            if e.is_meta and e.tensor.numel() == 0:
+                src = next((listed[n] for n in e.names if n in listed), None) if listed is not None else None
+                info = self.source.info(src) if src is not None else None
+                if src is not None:
+                    used.add(src)
+                if info is not None and tuple(info.shape) != tuple(e.size):
+                    self.misshaped.append(f"{e.names[0]}: source {list(info.shape)}, model {list(e.size)}")
+                self._replace_empty(e)
         for slot in slots:
             plan: list[tuple[str, str | None]] = []
             for e in slot.entries:

@@ -137,6 +137,8 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
         header = json.loads(raw, object_pairs_hook=_no_duplicates(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WeightSourceError(f"{path}: not a safetensors file (its header is not JSON: {exc})") from exc
+    except RecursionError as exc:  # JSON nested deeper than Python's parser goes: no safetensors header is
+        raise WeightSourceError(f"{path}: not a safetensors file (its header nests JSON too deeply to read)") from exc
     if not isinstance(header, dict):
         raise WeightSourceError(f"{path}: not a safetensors file (its header is not a JSON object)")
     return header, 8 + n

@@ -126,6 +126,9 @@ def _from_index(path: Path) -> SafetensorsSource:
             doc = json.loads(f.read())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WeightSourceError(f"cannot read the checkpoint index {path}: {exc}") from exc
+    except RecursionError as exc:  # nested deeper than Python's JSON parser goes: no index is
+        raise WeightSourceError(f"cannot read the checkpoint index {path}: its JSON nests too deeply; it is not a "
+                                "safetensors index, download it again") from exc
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise WeightSourceError(f"{path} has no 'weight_map' (name -> file): not a sharded safetensors index")

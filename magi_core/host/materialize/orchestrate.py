@@ -33,7 +33,14 @@ from magi_core.host.materialize.call import (
     status,
 )
 from magi_core.host.materialize.file_round import FileRound, extents
-from magi_core.host.materialize.weights import HostWeights, is_owned, register, weights_of
+from magi_core.host.materialize.weights import (
+    RELEASED_MODEL,
+    HostWeights,
+    is_owned,
+    register,
+    was_released,
+    weights_of,
+)
 from magi_core.host.topology import Claim, Share, Topology, build_topology, global_order, node_key, plan_sharing
 from magi_core.plugin.facade import Backend
 
@@ -87,6 +94,8 @@ def materialize(
 
         backend = get_backend()
     existing = weights_of(model)
+    if setup is None and was_released(model):
+        setup = HostStateError(RELEASED_MODEL.format(name=type(model).__name__))
     if setup is None and existing is not None and not existing.released:
         if existing.options == opts and source is None:
             logger.info("model already materialised; returning its HostWeights")
@@ -97,7 +106,7 @@ def materialize(
     if source is not None and setup is None:
         try:
             loader = Loader(open_source(source), strict=strict, rename=rename)
-        except (MagiError, OSError, TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - raised on every rank after the first gather
             setup = exc
     try:
         return _Materializer(model, opts, backend, on_progress, loader, setup).run()
@@ -156,7 +165,7 @@ class _Materializer(CallState):
         local_err: BaseException | None = None
         try:
             loader.resolve_buffers(self.model)
-        except (MagiError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - raised on every rank after the first gather, the model undone
             local_err = exc
         # a problem of this rank's model (a meta tensor, a sparse one, weights another model holds): every rank
         # raises after the first gather below, so no rank waits in it for one that left

@@ -294,11 +294,19 @@ def unreplace(e: Entry) -> None:
     e.tensor, e.original = old, None
 
 
+#: Why a model whose weights were released without restore cannot run or be filled again.
+RELEASED_MODEL = ("{name}: its host weights were released (magi_core.release() without restore=True), and its "
+                  "tensors are empty. Build the model again (on the meta device, to magi_core.load into it), or "
+                  "release with restore=True to keep using a model")
+
+
 def _released_hook(module: nn.Module, args: Any) -> None:
-    raise HostStateError(
-        f"{type(module).__name__}: its host weights were released (HostWeights.release()); materialise the "
-        "weights again, or release with restore=True to keep using the model"
-    )
+    raise HostStateError(RELEASED_MODEL.format(name=type(module).__name__))
+
+
+def was_released(model: nn.Module) -> bool:
+    """True when ``model``'s weights were released without restore (its tensors are empty)."""
+    return any(h is _released_hook for h in model._forward_pre_hooks.values())
 
 
 @atexit.register
