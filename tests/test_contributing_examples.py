@@ -66,8 +66,8 @@ def run_example(source: str, name: str) -> types.ModuleType:
 
 
 def backend_example() -> str:
-    """The python example that implements the hooks (the backend module)."""
-    found = [src for src in python_examples() if "@hookimpl" in src]
+    """The python example that implements the required hooks (the backend module, with its probe)."""
+    found = [src for src in python_examples() if "def magi_probe" in src]
     assert len(found) == 1, f"expected one backend module among the guide's python examples, found {len(found)}"
     return found[0]
 
