@@ -89,13 +89,19 @@ def is_parameter_placeholder(node: torch.fx.Node, example_input: Any = None) -> 
     return is_parameter_value(_grapharg_example(node))
 
 
+#: Augmented assignments (``t += v``...): on a tensor they write it in place.
+_AUGMENTED = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                        operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                        operator.irshift, operator.imatmul})
+
+
 def _is_mutating(user: torch.fx.Node, arg: torch.fx.Node) -> bool:
     target = user.target
     if user.op == "call_method" and isinstance(target, str):
         return target.endswith("_") and not target.endswith("__") and user.args[:1] == (arg,)
     if user.op != "call_function":
         return False
-    if target is operator.setitem:
+    if target is operator.setitem or target in _AUGMENTED:  # ``t[i] = v``; ``t += v`` (Dynamo keeps it an iadd)
         return user.args[:1] == (arg,)
     if "out" in user.kwargs:
         return True

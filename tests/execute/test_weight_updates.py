@@ -610,6 +610,18 @@ class Counter(nn.Module):
         return self.lin(x) * self.steps
 
 
+class AugmentedCounter(Counter):
+    """The same counter through an augmented assignment (``self.steps += 1``, an in-place add on a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return self.lin(x) * self.steps
+
+
 class Normed(nn.Module):
     """BatchNorm, whose running statistics update in training mode."""
 
@@ -643,7 +655,8 @@ class SliceWriter(RowWriter):
         return self.lin(x) + self.cache.sum(0)
 
 
-@pytest.mark.parametrize("make,train,written", [(Counter, False, "steps"), (Normed, True, "running_mean"),
+@pytest.mark.parametrize("make,train,written", [(Counter, False, "steps"), (AugmentedCounter, False, "steps"),
+                                                (Normed, True, "running_mean"),
                                                 (RowWriter, False, "cache"), (SliceWriter, False, "cache")])
 def test_state_written_inside_forward_is_refused(shm_dir: str, make: Any, train: bool, written: str) -> None:
     model = make().train(train)
