@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from magi_core.plugin.facade import default_capabilities
-from magi_core.plugin.manager import REGISTRY, BackendRecord, package_hint
+from magi_core.plugin.manager import HOOK_REFERENCE, REGISTRY, BackendRecord, package_hint
 from magi_core.plugin.spec import (
     DEVICE_MODULE_EXPECTED,
     DEVICE_MODULE_REQUIRED,
@@ -215,8 +215,7 @@ def check_backend(name: str, records: dict[str, BackendRecord] | None = None) ->
         return report
     for hook in rec.unknown_hooks:
         report.add(hook, f"is not a hook of spec {HOOKSPEC_VERSION} (never called)",
-                   "rename it to the hook you mean (the \"Hook specification\" page of the docs, "
-                   "docs/reference/hooks.md, generated from magi_core/plugin/spec.py) or drop the @hookimpl marker")
+                   f"rename it to the hook you mean ({HOOK_REFERENCE}) or drop the @hookimpl marker")
     for hook in rec.missing_required:
         report.add(hook, "required hook missing (the backend is refused)", "implement it with @hookimpl")
     if rec.missing_required:

@@ -77,6 +77,11 @@ def tracing_enabled() -> bool:
     return True
 
 
+#: Where an error sends a backend author for the hooks' signatures.
+HOOK_REFERENCE = ("the \"Hook specification\" page of the docs, docs/reference/hooks.md, generated from "
+                  "magi_core/plugin/spec.py")
+
+
 def _describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
 
@@ -121,8 +126,7 @@ class BackendRecord:
         if self.missing_required:
             return (
                 f"missing required hook(s) {', '.join(self.missing_required)}; "
-                "implement them with @magi_core.plugin.hookimpl (see the \"Hook specification\" page of the docs, "
-                "docs/reference/hooks.md, generated from magi_core/plugin/spec.py)"
+                f"implement them with @magi_core.plugin.hookimpl (see {HOOK_REFERENCE})"
             )
         if self.spec_error is not None:
             return (f"magi_hookspec_versions failed: {_describe_exception(self.spec_error)}; return the spec "
@@ -284,8 +288,7 @@ def _load(rec: BackendRecord, ep: importlib_metadata.EntryPoint) -> None:
         detail = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # one line in listings
         rec.load_error = BackendError(
             f"a hook implementation does not match magi-core's hook spec {HOOKSPEC_VERSION}: {detail}; fix its "
-            "signature to the spec's argument names (the \"Hook specification\" page of the docs, "
-            "docs/reference/hooks.md, generated from magi_core/plugin/spec.py)"
+            f"signature to the spec's argument names ({HOOK_REFERENCE})"
         )
         logger.error("magi backend %r (%s) rejected by hook validation: %s", rec.name, rec.package, exc)
         return

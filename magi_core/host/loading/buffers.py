@@ -167,12 +167,11 @@ def _by_constructor(module: nn.Module, names: list[str]) -> tuple[dict[str, torc
     return _fit(module, got), f"{cls.__name__}({', '.join(kwargs)})"
 
 
-def resolve(model: nn.Module, source: WeightSource, staging: Staging,
-            rename: Callable[[str], str | None] | None = None, fix: BufferFix | None = None) -> BufferFix:
-    """Give every non-persistent buffer on the meta device real values (see the module docstring); what cannot be
-    resolved is listed in ``unresolved``, what the source holds with another shape in ``misshaped``. Undo with
-    :meth:`BufferFix.undo`; ``fix`` (filled as buffers are replaced) can undo a call that raised part way."""
-    fix = BufferFix() if fix is None else fix
+def resolve(model: nn.Module, source: WeightSource, staging: Staging, fix: BufferFix,
+            rename: Callable[[str], str | None] | None = None) -> None:
+    """Give every non-persistent buffer on the meta device real values (see the module docstring), recorded in
+    ``fix`` as they are replaced (so :meth:`BufferFix.undo` also undoes a call that raised part way); what cannot be
+    resolved is listed in ``unresolved``, what the source holds with another shape in ``misshaped``."""
     names = source.names()
     by_model: dict[str, str] = {}
     if names is not None:
@@ -225,4 +224,3 @@ def resolve(model: nn.Module, source: WeightSource, staging: Staging,
         fix.unresolved += [dot + b for b in left]
     for name, how in fix.how.items():
         logger.info("non-persistent buffer %s: %s", name, how)
-    return fix

@@ -85,7 +85,7 @@ class Loader:
     def resolve_buffers(self, model: nn.Module) -> None:
         """Give the non-persistent buffers on the meta device values (:func:`buffers.resolve`)."""
         self.fix = buffers.BufferFix()  # filled as it goes: a resolve that raises part way is undone with it
-        buffers.resolve(model, self.source, self.staging, self.rename, self.fix)
+        buffers.resolve(model, self.source, self.staging, self.fix, self.rename)
 
     def set_window(self, weight_bytes: int, explicit: int | None) -> None:
         """Size the staging buffer for ``weight_bytes`` of weights."""
@@ -98,11 +98,11 @@ class Loader:
         for e in entries:  # empty meta tensors get empty host tensors (no slot holds them), if the source agrees
             if e.is_meta and e.tensor.numel() == 0:
                 src = next((listed[n] for n in e.names if n in listed), None) if listed is not None else None
-                info = self.source.info(src) if src is not None else None
                 if src is not None:
                     used.add(src)
-                if info is not None and tuple(info.shape) != tuple(e.size):
-                    self.misshaped.append(f"{e.names[0]}: source {list(info.shape)}, model {list(e.size)}")
+                    info = self.source.info(src)
+                    if info is not None and tuple(info.shape) != tuple(e.size):
+                        self.misshaped.append(f"{e.names[0]}: source {list(info.shape)}, model {list(e.size)}")
                 self._replace_empty(e)
         for slot in slots:
             plan: list[tuple[str, str | None]] = []
